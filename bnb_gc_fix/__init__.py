@@ -1,0 +1,75 @@
+"""bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking.
+
+Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public
+API is small: :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`,
+:func:`reset`, :class:`guard`, and the :class:`Status` they report with.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING
+
+from bnb_gc_fix._version import __version__
+from bnb_gc_fix.activation import Status, activate, deactivate, status
+from bnb_gc_fix.errors import (
+    BnbGcFixWarning,
+    CacheLeakError,
+    CacheLeakWarning,
+    PatchSkippedWarning,
+    SwitchValueWarning,
+)
+from bnb_gc_fix.guard import guard
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BnbGcFixWarning",
+    "CacheLeakError",
+    "CacheLeakWarning",
+    "PatchSkippedWarning",
+    "Status",
+    "SwitchValueWarning",
+    "__version__",
+    "activate",
+    "deactivate",
+    "guard",
+    "repair",
+    "reset",
+    "status",
+]
+
+logging.getLogger("bnb_gc_fix").addHandler(logging.NullHandler())
+
+
+def repair(model: torch.nn.Module) -> int:
+    """Replace every plain cache-gate pair in ``model`` with one gate per module.
+
+    For models quantized before the fix was active (or while it was switched off). Recognises
+    bitsandbytes' pair and look-alike copies in other libraries. Returns how many modules it
+    fixed; a second call returns 0. It does not release a counter that is already stuck: call
+    :func:`reset` for that.
+    """
+    from bnb_gc_fix import gate
+
+    return sum(gate.install(module) for module in model.modules())
+
+
+def reset() -> int:
+    """Release a stuck parametrization cache: counter to 0, cache emptied.
+
+    Returns the holds released (the counter's value before). Works whether or not the fix is
+    active, and never imports torch: with torch not imported there is nothing to release.
+    """
+    if "torch.nn.utils.parametrize" not in sys.modules:
+        return 0
+    from bnb_gc_fix import gate
+
+    return gate.reset()
+
+
+from bnb_gc_fix.activation import activate_on_import as _activate_on_import  # noqa: E402
+
+_activate_on_import()

@@ -1,0 +1,119 @@
+"""``bnb-gc-fix check``: reproduce the leak's shape in-process on a small synthetic model.
+
+Quantized 3-D expert parameters (``replace_parameter_4bit``), non-reentrant activation
+checkpointing around each layer, a trainable router and AdamW: the same ingredients as the bug
+report, on random weights, with nothing downloaded. The process is configured exactly as the
+user's environment configures it (``BNB_GC_FIX``, start-up hook, installed versions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class CannotRunError(Exception):
+    """The check cannot run here (torch or bitsandbytes missing or too old); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Step:
+    step: int
+    counter: int
+    cache_bytes: int
+    loss: float
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    device: str
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def protected(self) -> bool:
+        """The counter and the cache were back to zero after every step."""
+        return all(s.counter == 0 and s.cache_bytes == 0 for s in self.steps)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "protected": self.protected, "steps": [asdict(s) for s in self.steps]}
+
+
+def _imports() -> tuple[Any, Any]:
+    try:
+        import torch
+    except ImportError as error:
+        raise CannotRunError(
+            f"torch is not importable ({error}); install torch (and bitsandbytes>=0.48) to run the check"
+        ) from error
+    try:
+        import bitsandbytes
+    except ImportError as error:
+        raise CannotRunError(
+            f"bitsandbytes is not importable ({error}); install bitsandbytes>=0.48 to run the check"
+        ) from error
+    try:
+        from bitsandbytes.nn import parametrize
+    except ImportError as error:
+        version = getattr(bitsandbytes, "__version__", "?")
+        raise CannotRunError(
+            f"bitsandbytes {version} has no bitsandbytes.nn.parametrize (added in 0.48.0), so it cannot "
+            "leak this way; there is nothing to check"
+        ) from error
+    return torch, parametrize
+
+
+def run(device: str | None = None, steps: int = 4, layers: int = 3) -> CheckResult:
+    """Train the synthetic model for ``steps`` steps and record the cache after each."""
+    torch, parametrize = _imports()
+    import torch.nn.utils.parametrize as P
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts, width, hidden = 8, 64, 128
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = nn.Parameter(torch.randn(experts, hidden, width) * 0.05)
+            self.down = nn.Parameter(torch.randn(experts, width, hidden) * 0.05)
+
+        def forward(self, x: Any, weights: Any) -> Any:
+            inner = torch.einsum("td,ehd->teh", x, self.up).relu()
+            out = torch.einsum("teh,edh->ted", inner, self.down)
+            return (out * weights.unsqueeze(-1)).sum(1)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.router = nn.Linear(width, experts)
+            self.experts = Experts()
+
+        def forward(self, x: Any) -> Any:
+            h = self.norm(x)
+            return x + self.experts(h, self.router(h).softmax(-1))
+
+    torch.manual_seed(0)
+    model = nn.ModuleList(Layer() for _ in range(layers)).to(device)
+    for layer in model:
+        parametrize.replace_parameter_4bit(layer.experts, "up", quant_type="nf4")
+        parametrize.replace_parameter_4bit(layer.experts, "down", quant_type="nf4")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(".router." in name)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(32, width, device=device)
+
+    result = CheckResult(device=device)
+    for step in range(1, steps + 1):
+        h = x
+        for layer in model:
+            h = checkpoint(layer, h, use_reentrant=False)
+        loss = h.pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        cached = sum(t.numel() * t.element_size() for t in P._cache.values() if isinstance(t, torch.Tensor))
+        result.steps.append(Step(step, int(P._cache_enabled), int(cached), float(loss.item())))
+    return result

@@ -1,0 +1,183 @@
+"""Deciding whether to act: versions read from imported modules, and a probe of the real code.
+
+Nothing here imports torch or bitsandbytes ahead of the user: versions come from modules that
+are already in ``sys.modules``, and the probe runs only on a ``bitsandbytes.nn.parametrize``
+that the user's program has imported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+
+from packaging.version import InvalidVersion, Version
+
+FIRST_AFFECTED = Version("0.48.0")
+FIRST_FIXED = Version("0.50.0")
+MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
+
+PARAMETRIZE = "bitsandbytes.nn.parametrize"
+
+
+def _version_of(name: str) -> str | None:
+    module = sys.modules.get(name)
+    version = getattr(module, "__version__", None)
+    return None if version is None else str(version)
+
+
+def bitsandbytes_version() -> str | None:
+    """``bitsandbytes.__version__`` if bitsandbytes is imported, else ``None``."""
+    return _version_of("bitsandbytes")
+
+
+def torch_version() -> str | None:
+    """``torch.__version__`` if torch is imported, else ``None``."""
+    return _version_of("torch")
+
+
+def _parse(version: str | None) -> Version | None:
+    if version is None:
+        return None
+    try:
+        return Version(version)
+    except InvalidVersion:
+        return None
+
+
+def in_affected_range(version: str | None) -> bool | None:
+    """Whether a bitsandbytes version string falls in 0.48.0 <= v < 0.50.0 (None: unknown)."""
+    parsed = _parse(version)
+    if parsed is None:
+        return None
+    # Compare release numbers so that 0.50.0.dev0 counts as 0.50 (its code decides anyway).
+    release = Version(parsed.base_version)
+    return FIRST_AFFECTED <= release < FIRST_FIXED
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the decision found for one imported ``bitsandbytes.nn.parametrize``."""
+
+    patch: bool
+    """Whether to wrap bitsandbytes' functions."""
+    unexpected: bool
+    """The internals do not look as expected: nothing may be patched, and the user is warned."""
+    affected: bool | None
+    """The installed code registers the plain (leaking) pair; None when it could not be told."""
+    probe: str
+    """What the probe saw, in a few words."""
+    reason: str
+    """A human sentence: what was found."""
+
+    @property
+    def decision(self) -> str:
+        """The finding and what follows from it, as one sentence."""
+        if self.patch:
+            return f"{self.reason}; patched"
+        return f"{self.reason}; {'nothing patched' if self.unexpected else 'nothing to patch'}"
+
+
+def _signature_problem(parametrize: ModuleType) -> str | None:
+    expected = {
+        "_register_parametrization_hooks": 2,
+        "_enable_parametrization_cache": 2,
+        "_disable_parametrization_cache": 3,
+    }
+    for name, arity in expected.items():
+        function = getattr(parametrize, name, None)
+        if function is None:
+            return f"bitsandbytes.nn.parametrize has no {name}()"
+        if not callable(function):
+            return f"bitsandbytes.nn.parametrize.{name} is not callable"
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):
+            return f"the signature of bitsandbytes.nn.parametrize.{name}() cannot be read"
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        required = [p for p in positional if p.default is p.empty]
+        if len(required) > arity or len(positional) < arity:
+            names = ", ".join(p.name for p in positional)
+            return (
+                f"bitsandbytes.nn.parametrize.{name}({names}) does not take the "
+                f"{arity} positional arguments this fix expects"
+            )
+    return None
+
+
+def probe(parametrize: ModuleType) -> tuple[bool | None, str]:
+    """Register bitsandbytes' hooks on a throwaway module and look at what it did.
+
+    Returns ``(affected, description)``: ``affected`` is True for the plain pair, False when
+    the disable hook is always-called (upstream's fix), None when the result is unexpected.
+    """
+    import torch
+
+    register = parametrize._register_parametrization_hooks
+    register = getattr(register, "__wrapped__", register)  # judge bitsandbytes, not our wrapper
+    throwaway = torch.nn.Module()
+    try:
+        register(throwaway, "weight")
+    except Exception as error:  # the probe must never break the user's import
+        return None, f"registering hooks on a probe module raised {type(error).__name__}: {error}"
+    from bnb_gc_fix.gate import DISABLE_NAME, ENABLE_NAME
+
+    enables = [
+        h for h in throwaway._forward_pre_hooks.values() if getattr(h, "__name__", None) == ENABLE_NAME
+    ]
+    disables = [
+        key
+        for key, hook in throwaway._forward_hooks.items()
+        if getattr(hook, "__name__", None) == DISABLE_NAME
+    ]
+    if len(enables) != 1 or len(disables) != 1:
+        return None, (
+            f"the probe module got {len(enables)} enable and {len(disables)} disable cache hooks "
+            "instead of one of each"
+        )
+    if disables[0] in throwaway._forward_hooks_always_called:
+        return False, "disable hook registered with always_call=True (upstream fix)"
+    return True, "plain forward hook pair (skipped when a forward raises)"
+
+
+def judge(parametrize: ModuleType, force: bool = False) -> Verdict:
+    """Decide what to do with an imported ``bitsandbytes.nn.parametrize``."""
+    bnb = bitsandbytes_version()
+    torch_v = _parse(torch_version())
+    by_version = in_affected_range(bnb)
+    label = f"bitsandbytes {bnb}" if bnb else "this bitsandbytes"
+
+    if torch_v is not None and Version(torch_v.base_version) < MIN_TORCH:
+        return Verdict(
+            False,
+            True,
+            by_version,
+            "not run",
+            f"torch {torch_v} cannot run forward hooks with always_call=True (needs torch >= 2.1)",
+        )
+    problem = _signature_problem(parametrize)
+    if problem is not None:
+        return Verdict(False, True, None, "not run", problem)
+    affected, seen = probe(parametrize)
+    if affected is None:
+        return Verdict(False, True, None, seen, f"{label} does not look as expected: {seen}")
+
+    range_text = {
+        True: "is in the affected range 0.48.0 <= v < 0.50.0",
+        False: "is outside the affected range 0.48.0 <= v < 0.50.0",
+        None: "has an unreadable version",
+    }[by_version]
+    if affected:
+        reason = f"{label} {range_text} and the probe found a {seen}"
+        if by_version is False:
+            reason = f"{label} {range_text}, but the probe found a {seen}, and the probe wins"
+        return Verdict(True, False, True, seen, reason)
+    if force:
+        return Verdict(
+            True, False, False, seen, f"{label} has the upstream fix ({seen}), but BNB_GC_FIX=force"
+        )
+    reason = f"{label} {range_text} and the probe found its {seen}"
+    if by_version is True:
+        reason = f"{label} {range_text}, but the probe found its {seen}, and the probe wins"
+    return Verdict(False, False, False, seen, reason)

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks. Each submodule imports its framework; this package does not."""

@@ -1,0 +1,34 @@
+"""Hugging Face integration: a ``TrainerCallback`` that runs the leak guard at every step end.
+
+Works with ``transformers.Trainer`` and with TRL's trainers, which accept the same callbacks::
+
+    from bnb_gc_fix.integrations.transformers import LeakGuardCallback
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[LeakGuardCallback()])
+
+Importing ``bnb_gc_fix`` never imports this module (nor transformers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from bnb_gc_fix.guard import check_and_release
+
+
+class LeakGuardCallback(TrainerCallback):
+    """Release a stuck parametrization cache at the end of every training step.
+
+    With ``strict=True`` a stuck cache raises :class:`bnb_gc_fix.CacheLeakError` (after
+    releasing), stopping the run; otherwise one :class:`bnb_gc_fix.CacheLeakWarning` per step
+    that needed it. ``released`` counts the holds released over the run.
+    """
+
+    def __init__(self, strict: bool = False) -> None:
+        self.strict = strict
+        self.released = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self.released += check_and_release(strict=self.strict)
+        return control

@@ -1,0 +1,140 @@
+"""Train a tiny random OLMoE with 4-bit quantized fused experts; print one JSON line per step.
+
+Run as a script in a fresh interpreter by the tests (and usable by hand):
+
+    python tests/scenarios/tiny_olmoe.py --steps 5 [--no-checkpointing] [--import-fix]
+        [--weight-norm] [--guard] [--strict] [--layers 3]
+
+It imports ``bnb_gc_fix`` only with ``--import-fix`` (or ``--guard``), so the start-up hook and
+the runner can be tested with an unchanged script. The last line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+
+def build(layers: int = 3, experts: int = 8, hidden: int = 64, weight_norm: bool = False):  # type: ignore[no-untyped-def]
+    import torch
+    from bitsandbytes.nn import parametrize as bnb_parametrize
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    torch.manual_seed(0)
+    config = OlmoeConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
+    model = OlmoeForCausalLM(config)
+    for layer in model.model.layers:
+        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "gate_up_proj", quant_type="nf4")
+        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "down_proj", quant_type="nf4")
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for name, parameter in model.named_parameters():
+        if ".mlp.gate." in name:
+            parameter.requires_grad_(True)
+    extra = None
+    if weight_norm:
+        # A trainable weight_norm Linear beside the quantized experts, used on every step.
+        extra = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(hidden, hidden))
+        model.model.layers[0].extra = extra
+        inner = model.model.layers[0].mlp
+
+        def hook(module, args, output):  # type: ignore[no-untyped-def]
+            return output + extra(output)
+
+        inner.register_forward_hook(hook)
+    return model, extra
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--import-fix", action="store_true")
+    parser.add_argument("--weight-norm", action="store_true")
+    parser.add_argument("--guard", action="store_true")
+    parser.add_argument("--strict", action="store_true")
+    args = parser.parse_args()
+
+    if args.import_fix or args.guard:
+        import bnb_gc_fix
+
+    import torch
+    import torch.nn.utils.parametrize as P
+
+    model, extra = build(layers=args.layers, weight_norm=args.weight_norm)
+    if not args.no_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 16), generator=generator)
+    previous = None
+    summary: dict[str, object] = {"error": None, "package_warnings": 0, "strict_raised": 0}
+    for step in range(args.steps):
+        record: dict[str, object] = {"step": step}
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if args.guard:
+                    import bnb_gc_fix
+
+                    context = bnb_gc_fix.guard(strict=args.strict)
+                else:
+                    import contextlib
+
+                    context = contextlib.nullcontext()
+                try:
+                    with context:
+                        loss = model(input_ids=ids, labels=ids).loss
+                        loss.backward()
+                        optimizer.step()
+                        optimizer.zero_grad()
+                except Exception as error:
+                    if type(error).__name__ != "CacheLeakError":
+                        raise
+                    summary["strict_raised"] = int(summary["strict_raised"]) + 1  # type: ignore[call-overload]
+            ours = [w for w in caught if type(w.message).__module__.startswith("bnb_gc_fix")]
+            summary["package_warnings"] = int(summary["package_warnings"]) + len(ours)  # type: ignore[call-overload]
+            record["loss"] = float(loss.item())
+        except RuntimeError as error:
+            summary["error"] = str(error).splitlines()[0]
+            print(json.dumps(record | {"error": summary["error"]}), flush=True)
+            break
+        record["counter"] = int(P._cache_enabled)
+        record["cache_entries"] = len(P._cache)
+        record["cache_bytes"] = sum(t.numel() * t.element_size() for t in P._cache.values())
+        if extra is not None:
+            weight = extra.weight.detach().clone()
+            record["weight_norm_changed"] = previous is None or not torch.equal(weight, previous)
+            previous = weight
+        print(json.dumps(record), flush=True)
+    import sys
+
+    summary["bnb_gc_fix_imported"] = "bnb_gc_fix" in sys.modules
+    if "bnb_gc_fix" in sys.modules:
+        status = sys.modules["bnb_gc_fix"].status()
+        summary["active"] = status.active
+        summary["via"] = status.via
+        summary["reason"] = status.reason
+    print(json.dumps({"summary": summary}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
