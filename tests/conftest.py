@@ -1,0 +1,110 @@
+"""Shared helpers: every scenario runs in a fresh interpreter, so global state never leaks between tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+TINY_OLMOE = SCENARIOS / "tiny_olmoe.py"
+
+# Noise that torch and bitsandbytes print on CPU-only machines; never ours.
+_FOREIGN_STDERR = ("kernels", "FutureWarning", "_check_is_size", "torch._check", "eos_token_id")
+
+
+@dataclass
+class Run:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """JSON objects printed one per line (other lines ignored)."""
+        out = []
+        for line in self.stdout.splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                out.append(json.loads(line))
+        return out
+
+    @property
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if "step" in r]
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return next(r["summary"] for r in self.records if "summary" in r)
+
+    @property
+    def our_stderr(self) -> str:
+        """stderr without the lines torch/bitsandbytes print on their own."""
+        return "\n".join(
+            line for line in self.stderr.splitlines() if line.strip() and not any(n in line for n in _FOREIGN_STDERR)
+        )
+
+
+def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "BNB_GC_FIX"}
+    env.pop("PYTHONPATH", None)
+    if switch is not None:
+        env["BNB_GC_FIX"] = switch
+    env.update(extra)
+    return env
+
+
+def run_python(
+    args: list[str],
+    switch: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    cwd: Path | None = None,
+    executable: str = sys.executable,
+) -> Run:
+    """Run ``python ARGS`` in a fresh interpreter with BNB_GC_FIX set to ``switch`` (None: unset)."""
+    completed = subprocess.run(
+        [executable, *args],
+        env=env if env is not None else environment(switch),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd or ROOT,
+    )
+    return Run(completed.returncode, completed.stdout, completed.stderr)
+
+
+def run_code(code: str, switch: str | None = None, **kwargs: Any) -> Run:
+    """Run a dedented snippet in a fresh interpreter; fail loudly with its output if it crashes."""
+    result = run_python(["-c", textwrap.dedent(code)], switch=switch, **kwargs)
+    assert result.returncode == 0, f"snippet failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def tiny_olmoe(*flags: str, switch: str | None = None, **kwargs: Any) -> Run:
+    result = run_python([str(TINY_OLMOE), *flags], switch=switch, **kwargs)
+    assert result.returncode == 0, f"tiny_olmoe failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+# Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.
+WITHOUT_STARTUP_HOOK = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "bnb_gc_fix_watcher", False)]
+"""
+
+
+@pytest.fixture(scope="session")
+def startup_hook_installed() -> None:
+    """The suite tests the real start-up hook: the package must be installed (pip install -e .)."""
+    result = run_code("import sys; print('_bnb_gc_fix_boot' in sys.modules)")
+    if result.stdout.strip() != "True":
+        pytest.fail("bnb_gc_fix.pth was not processed at start-up: install the package (pip install -e .)")

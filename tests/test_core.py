@@ -1,0 +1,438 @@
+"""Issue 2: the cache gate on bitsandbytes 0.49.x. Each test pairs the fix with a control that leaks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, tiny_olmoe
+
+PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
+
+
+# --- the bug report's reproduction -------------------------------------------------------------
+
+
+def test_tiny_olmoe_with_fix_ends_every_step_at_zero() -> None:
+    run = tiny_olmoe("--steps", "5", "--import-fix")
+    assert len(run.steps) == 5
+    assert [s["counter"] for s in run.steps] == [0] * 5
+    assert [s["cache_bytes"] for s in run.steps] == [0] * 5
+    assert run.summary["active"] is True
+    assert run.summary["error"] is None
+
+
+def test_tiny_olmoe_control_leaks_without_fix() -> None:
+    run = tiny_olmoe("--steps", "5", "--import-fix", switch="0")
+    counters = [s["counter"] for s in run.steps]
+    assert counters[0] > 0
+    assert all(b > a for a, b in zip(counters, counters[1:])), counters
+    assert run.steps[-1]["cache_bytes"] > 0
+    assert run.summary["active"] is False
+
+
+def test_losses_with_fix_equal_losses_without_checkpointing() -> None:
+    fixed = tiny_olmoe("--steps", "5", "--import-fix")
+    plain = tiny_olmoe("--steps", "5", "--import-fix", "--no-checkpointing")
+    assert [s["counter"] for s in plain.steps] == [0] * 5  # no checkpointing: no leak anyway
+    assert [s["loss"] for s in fixed.steps] == pytest.approx([s["loss"] for s in plain.steps], rel=1e-6)
+
+
+# --- weight_norm beside quantized experts --------------------------------------------------------
+
+
+def test_weight_norm_keeps_training_with_fix() -> None:
+    run = tiny_olmoe("--steps", "4", "--import-fix", "--weight-norm")
+    assert run.summary["error"] is None
+    assert [s["weight_norm_changed"] for s in run.steps] == [True] * 4
+
+
+def test_weight_norm_control_freezes_then_crashes() -> None:
+    run = tiny_olmoe("--steps", "4", "--import-fix", "--weight-norm", switch="0")
+    changed = [s.get("weight_norm_changed") for s in run.steps if "weight_norm_changed" in s]
+    assert False in changed or run.summary["error"] is not None
+    assert "backward through the graph a second time" in (run.summary["error"] or "")
+
+
+# --- the tail module of a checkpointed chain ---------------------------------------------------
+
+TAIL = (
+    PRELUDE
+    + """
+import torch
+from torch.utils.checkpoint import checkpoint
+import quantized
+import bnb_gc_fix
+torch.manual_seed(0)
+head = torch.nn.Linear(64, 64)
+tail = quantized.make(params=2)   # its forward holds the last saved tensor of the chain
+for p in tail.parameters():
+    p.requires_grad_(False)
+opt = torch.optim.SGD(head.parameters(), lr=0.1)
+x = torch.randn(8, 64)
+counters = []
+for step in range(3):
+    y = checkpoint(lambda v: tail(head(v).relu()), x, use_reentrant=False)
+    y.pow(2).mean().backward()
+    opt.step(); opt.zero_grad()
+    counters.append(quantized.counter())
+print(json.dumps(counters))
+"""
+)
+
+
+def test_tail_module_of_checkpointed_chain() -> None:
+    assert json.loads(run_code(TAIL).stdout.splitlines()[-1]) == [0, 0, 0]
+
+
+def test_tail_module_control_leaks() -> None:
+    counters = json.loads(run_code(TAIL, switch="0").stdout.splitlines()[-1])
+    assert counters[0] > 0 and counters[-1] > counters[0]
+
+
+# --- KeyboardInterrupt -------------------------------------------------------------------------
+
+INTERRUPT = (
+    PRELUDE
+    + """
+import gc, torch
+import quantized
+import bnb_gc_fix
+module = quantized.make(params=2)
+x = torch.randn(4, 64)
+module.interrupt = KeyboardInterrupt
+try:
+    module(x)
+except KeyboardInterrupt:
+    pass
+after_interrupt = quantized.counter()
+module.interrupt = None
+module(x)
+after_next_forward = quantized.counter()
+module.interrupt = KeyboardInterrupt
+try:
+    module(x)
+except KeyboardInterrupt:
+    pass
+before_delete = quantized.counter()
+del module
+gc.collect()
+after_delete = quantized.counter()
+print(json.dumps([after_interrupt, after_next_forward, before_delete, after_delete]))
+"""
+)
+
+
+def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
+    after_interrupt, after_next, before_delete, after_delete = json.loads(run_code(INTERRUPT).stdout)
+    assert after_interrupt == 1  # torch ran no forward hook: the hold is still there...
+    assert after_next == 0  # ...until the module's next forward releases it
+    assert before_delete == 1
+    assert after_delete == 0  # or until the module is garbage-collected
+
+
+def test_keyboard_interrupt_control_stays_stuck() -> None:
+    after_interrupt, after_next, _, after_delete = json.loads(run_code(INTERRUPT, switch="0").stdout)
+    assert after_interrupt == 2  # two plain pairs, both pre-hooks ran
+    assert after_next == 2
+    assert after_delete >= 2
+
+
+NESTED = (
+    PRELUDE
+    + """
+import torch
+import quantized
+import bnb_gc_fix
+
+class Recursive(quantized.Quantized):
+    def forward(self, x, depth=0):
+        out = super().forward(x)
+        if depth == 0:
+            try:
+                self(x, 1)              # a nested call of the same module, interrupted
+            except KeyboardInterrupt:
+                pass
+            seen.append(quantized.counter())
+            out = out + self(x, 2)      # heals the abandoned inner hold, keeps the outer one
+            seen.append(quantized.counter())
+        elif depth == 1:
+            raise KeyboardInterrupt
+        return out
+
+seen = []
+torch.manual_seed(0)
+module = quantized.quantize(Recursive(params=1))
+module(torch.randn(2, 64))
+seen.append(quantized.counter())
+print(json.dumps(seen))
+"""
+)
+
+
+def test_nested_call_keeps_its_hold_while_abandoned_one_is_released() -> None:
+    assert json.loads(run_code(NESTED).stdout) == [2, 1, 0]
+
+
+# --- exact pairing -------------------------------------------------------------------------------
+
+EARLIER_PRE_HOOK = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+from torch.nn.modules.module import register_module_forward_pre_hook
+import quantized
+import bnb_gc_fix
+from bitsandbytes.nn import parametrize
+module = quantized.make(params=2)
+mode = sys.argv[1]
+if mode == "upstream-style":
+    # The control: a disable hook registered always_call=True without exact pairing.
+    bnb_gc_fix.deactivate()
+    for key, hook in list(module._forward_hooks.items()):
+        del module._forward_hooks[key]
+    for key, hook in list(module._forward_pre_hooks.items()):
+        del module._forward_pre_hooks[key]
+    module.register_forward_pre_hook(parametrize._enable_parametrization_cache)
+    module.register_forward_hook(parametrize._disable_parametrization_cache, always_call=True)
+
+def refuse(module, args):
+    if getattr(module, "names", None):
+        raise ValueError("an earlier pre-hook refuses")
+
+counts = []
+with P.cached():                       # someone else's legitimate hold: counter 1
+    handle = register_module_forward_pre_hook(refuse)
+    for _ in range(3):
+        try:
+            module(torch.randn(2, 64))
+        except ValueError:
+            pass
+        counts.append(int(P._cache_enabled))
+    handle.remove()
+counts.append(int(P._cache_enabled))
+print(json.dumps(counts))
+"""
+)
+
+
+def test_earlier_pre_hook_raising_never_releases_a_hold_it_did_not_take() -> None:
+    result = run_code(EARLIER_PRE_HOOK.replace("sys.argv[1]", "'gate'"))
+    assert json.loads(result.stdout) == [1, 1, 1, 0]
+
+
+def test_earlier_pre_hook_control_unpaired_always_call_hook_goes_wrong() -> None:
+    result = run_code(EARLIER_PRE_HOOK.replace("sys.argv[1]", "'upstream-style'"))
+    counts = json.loads(result.stdout)
+    assert counts[0] == 0  # the hook released the outer cached() hold it never took
+
+
+def test_direct_disable_call_never_goes_below_zero() -> None:
+    code = (
+        PRELUDE
+        + """
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix
+from bitsandbytes.nn import parametrize
+P._cache["stale"] = object()
+parametrize._disable_parametrization_cache(None, (), None)
+print(json.dumps([int(P._cache_enabled), len(P._cache)]))
+"""
+    )
+    assert json.loads(run_code(code).stdout) == [0, 0]
+    assert json.loads(run_code(code, switch="0").stdout)[0] == -1  # control: bitsandbytes' own
+
+
+# --- one gate per module, repair, deactivate, idempotence --------------------------------------
+
+HOOKS = (
+    PRELUDE
+    + WITHOUT_STARTUP_HOOK
+    + """
+import torch
+from bitsandbytes.nn import parametrize
+originals = (parametrize._register_parametrization_hooks, parametrize._disable_parametrization_cache)
+import bnb_gc_fix
+import quantized
+from bnb_gc_fix.gate import gate_of
+bnb_gc_fix.activate()
+bnb_gc_fix.activate()
+wrapped_once = not hasattr(parametrize._register_parametrization_hooks.__wrapped__, "__wrapped__")
+patched = parametrize._register_parametrization_hooks is not originals[0]
+module = quantized.make(params=2)
+pairs = (len(module._forward_pre_hooks), len(module._forward_hooks), len(module._forward_hooks_always_called))
+bnb_gc_fix.deactivate()
+current = (parametrize._register_parametrization_hooks, parametrize._disable_parametrization_cache)
+restored = current == originals
+plain = quantized.make(params=2)
+plain_pairs = (len(plain._forward_pre_hooks), len(plain._forward_hooks), gate_of(plain) is None)
+model = torch.nn.Sequential(plain, quantized.make(params=1), torch.nn.Linear(4, 4))
+fixed = bnb_gc_fix.repair(model)
+again = bnb_gc_fix.repair(model)
+repaired = (len(plain._forward_pre_hooks), len(plain._forward_hooks), gate_of(plain) is not None)
+still_working = gate_of(module) is not None
+none = bnb_gc_fix.repair(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+print(json.dumps(dict(
+    wrapped_once=wrapped_once, patched=patched, pairs=pairs, restored=restored, plain_pairs=plain_pairs,
+    fixed=fixed, again=again, repaired=repaired, still_working=still_working, none=none,
+    status=bnb_gc_fix.status().reason,
+)))
+"""
+)
+
+
+def test_activate_is_idempotent_repair_and_deactivate() -> None:
+    facts = json.loads(run_code(HOOKS).stdout)
+    assert facts["patched"] and facts["wrapped_once"]
+    assert facts["pairs"] == [1, 1, 1]  # one gate for two quantized parameters, always-called
+    assert facts["restored"]  # deactivate() put bitsandbytes' own functions back
+    assert facts["plain_pairs"] == [2, 2, True]  # built while deactivated: two plain pairs
+    assert facts["fixed"] == 2 and facts["again"] == 0
+    assert facts["repaired"] == [1, 1, True]
+    assert facts["still_working"]
+    assert facts["none"] == 0  # a model without quantized parameters: nothing to do
+    assert facts["status"] == "deactivated by deactivate()"
+
+
+REPAIR_TRAIN = (
+    PRELUDE
+    + """
+import torch
+from torch.utils.checkpoint import checkpoint
+import bnb_gc_fix
+bnb_gc_fix.deactivate()
+import quantized
+layers = torch.nn.ModuleList(quantized.make(params=2) for _ in range(2))
+for layer in layers:
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name.startswith("trainable"))
+fixed = bnb_gc_fix.repair(layers) if sys.argv[1] == "repair" else 0
+x = torch.randn(4, 64)
+counters = []
+for step in range(3):
+    h = x
+    for layer in layers:
+        h = checkpoint(layer, h, use_reentrant=False)
+    h.pow(2).mean().backward()
+    counters.append(quantized.counter())
+print(json.dumps([fixed, counters]))
+"""
+)
+
+
+def test_repair_fixes_a_model_built_while_deactivated() -> None:
+    fixed, counters = json.loads(run_code(REPAIR_TRAIN.replace("sys.argv[1]", "'repair'")).stdout)
+    assert fixed == 2
+    assert counters == [0, 0, 0]
+
+
+def test_repair_control_model_built_while_deactivated_leaks() -> None:
+    _, counters = json.loads(run_code(REPAIR_TRAIN.replace("sys.argv[1]", "'no'")).stdout)
+    assert counters[-1] > counters[0] > 0
+
+
+def test_copies_of_a_gated_module_get_a_fresh_gate() -> None:
+    code = (
+        PRELUDE
+        + """
+import copy, pickle, torch
+import bnb_gc_fix, quantized
+from bnb_gc_fix.gate import Gate, gate_of
+module = quantized.make(params=2)
+clone = copy.deepcopy(module)
+clone(torch.randn(2, 64))
+module.interrupt = KeyboardInterrupt
+try:
+    module(torch.randn(2, 64))
+except KeyboardInterrupt:
+    pass
+held = gate_of(module).held
+revived = pickle.loads(pickle.dumps(gate_of(module)))
+bnb_gc_fix.reset()
+print(json.dumps([gate_of(clone) is not gate_of(module), held, type(revived) is Gate and revived.held == 0,
+    quantized.counter()]))
+"""
+    )
+    assert json.loads(run_code(code).stdout) == [True, 1, True, 0]
+
+
+# --- threads -------------------------------------------------------------------------------------
+
+THREADS = (
+    PRELUDE
+    + """
+import threading, torch
+import bnb_gc_fix, quantized
+torch.set_num_threads(1)
+shared = [quantized.make(params=2), quantized.make(params=1)]
+x = torch.randn(2, 64)
+errors = []
+
+def work(seed):
+    for i in range(300):
+        try:
+            # now and then a forward that raises, as checkpoint's early stop does
+            shared[(seed + i) % 2](x, fail=i % 10 == 0)
+        except RuntimeError:
+            pass
+
+threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(quantized.counter()))
+"""
+)
+
+
+def test_threads_end_with_counter_at_zero() -> None:
+    assert json.loads(run_code(THREADS).stdout) == 0
+
+
+def test_threads_control_leaks_on_raising_forwards() -> None:
+    assert json.loads(run_code(THREADS, switch="0").stdout) > 0
+
+
+# --- bitsandbytes internals that do not look as expected --------------------------------------
+
+UNEXPECTED = (
+    PRELUDE
+    + WITHOUT_STARTUP_HOOK
+    + """
+import warnings
+from bitsandbytes.nn import parametrize
+MODE
+original = getattr(parametrize, "_register_parametrization_hooks", None)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import bnb_gc_fix
+    bnb_gc_fix.activate()
+ours = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.PatchSkippedWarning)]
+untouched = getattr(parametrize, "_register_parametrization_hooks", None) is original
+status = bnb_gc_fix.status()
+print(json.dumps(dict(active=status.active, reason=status.reason, warnings=ours, untouched=untouched)))
+"""
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            "parametrize._register_parametrization_hooks = lambda module: None",
+            "does not take the 2 positional arguments",
+        ),
+        ("del parametrize._disable_parametrization_cache", "has no _disable_parametrization_cache()"),
+        (
+            "parametrize._register_parametrization_hooks = lambda module, name: None",
+            "got 0 enable and 0 disable cache hooks",
+        ),
+    ],
+    ids=["other-signature", "missing-function", "registers-nothing"],
+)
+def test_unexpected_internals_mean_no_patch_and_one_warning(change: str, expected: str) -> None:
+    facts = json.loads(run_code(UNEXPECTED.replace("MODE", change)).stdout)
+    assert facts["active"] is False
+    assert expected in facts["reason"] and facts["reason"].endswith("nothing patched")
+    assert len(facts["warnings"]) == 1 and expected in facts["warnings"][0]
+    assert facts["untouched"]
