@@ -1,0 +1,46 @@
+"""DistributedDataParallel (gloo, CPU) around the tiny OLMoE with gradient checkpointing.
+
+Launched by ``torchrun --nproc_per_node 2``; never imports bnb_gc_fix. Each rank prints one JSON
+line per step and a summary line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils.parametrize as P
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tiny_olmoe import build  # noqa: E402
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    model, _ = build(layers=2)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
+    steps = int(os.environ.get("STEPS", "3"))
+    for step in range(steps):
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        print(json.dumps({"rank": rank, "step": step, "counter": int(P._cache_enabled)}), flush=True)
+    fix = sys.modules.get("bnb_gc_fix")
+    via = fix.status().via if fix is not None else None
+    print(json.dumps({"summary": {"rank": rank, "imported": fix is not None, "via": via}}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

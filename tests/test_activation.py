@@ -1,0 +1,299 @@
+"""Issue 3: zero-touch activation (start-up hook, runner, BNB_GC_FIX) in fresh interpreters."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SCENARIOS, TINY_OLMOE, Run, environment, run_code, run_python, tiny_olmoe
+
+pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+
+HEAVY = ["wrapt", "packaging", "importlib.metadata", "torch", "bitsandbytes", "bnb_gc_fix"]
+
+
+# --- fixtures: interpreters without our start-up hook -------------------------------------------
+
+
+def _make_venv(path: Path, with_dependencies: bool) -> Path:
+    """A venv whose site-packages sees this interpreter's packages as a plain path entry.
+
+    A plain path line in a .pth adds the directory to sys.path without processing the .pth
+    files inside it, so torch and bitsandbytes import while our start-up hook does not run.
+    """
+    venv.EnvBuilder(with_pip=False).create(path)
+    python = path / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if with_dependencies:
+        ours = sysconfig.get_paths()["purelib"]
+        Path(purelib, "dependencies.pth").write_text(ours + "\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An interpreter with torch, bitsandbytes and transformers but no bnb-gc-fix start-up hook."""
+    return _make_venv(tmp_path_factory.mktemp("bare") / "venv", with_dependencies=True)
+
+
+def _site_packages(python: Path) -> Path:
+    return Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+
+# --- the start-up hook ----------------------------------------------------------------------------
+
+
+def test_startup_hook_fixes_a_script_that_never_imports_the_package() -> None:
+    run = tiny_olmoe("--steps", "5")
+    assert [s["counter"] for s in run.steps] == [0] * 5
+    assert run.summary["bnb_gc_fix_imported"] is True
+    assert run.summary["via"] == "start-up hook"
+    assert run.summary["active"] is True
+
+
+def test_startup_hook_control_switched_off_leaks() -> None:
+    run = tiny_olmoe("--steps", "5", switch="0")
+    counters = [s["counter"] for s in run.steps]
+    assert counters[-1] > counters[0] > 0
+    assert run.summary["bnb_gc_fix_imported"] is False
+
+
+def test_interpreter_start_imports_nothing_costly_and_prints_nothing() -> None:
+    result = run_python(["-c", "import sys; print(sorted(sys.modules))"])
+    assert result.returncode == 0
+    assert result.stderr == ""
+    modules = set(eval(result.stdout))
+    assert "_bnb_gc_fix_boot" in modules  # the hook ran...
+    assert not modules & set(HEAVY), modules & set(HEAVY)  # ...and imported nothing costly
+
+
+def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
+    result = run_code(
+        "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))", switch="off"
+    )
+    assert result.stdout.strip() == "False"
+
+
+def test_processes_without_bitsandbytes_never_import_the_package() -> None:
+    result = run_code("import json, sys; import email.parser; print('bnb_gc_fix' in sys.modules)")
+    assert result.stdout.strip() == "False"
+
+
+# --- broken installs must stay silent ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("broken", ["package-removed", "bootstrap-removed", "bootstrap-corrupt"])
+def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
+    python = _make_venv(tmp_path / "venv", with_dependencies=False)
+    site = _site_packages(python)
+    shutil.copy(ROOT / "bnb_gc_fix.pth", site / "bnb_gc_fix.pth")
+    if broken != "bootstrap-removed":
+        shutil.copy(ROOT / "_bnb_gc_fix_boot.py", site / "_bnb_gc_fix_boot.py")
+    if broken == "bootstrap-corrupt":
+        (site / "_bnb_gc_fix_boot.py").write_text("raise RuntimeError('half-written file')\n")
+    # A stand-in for bitsandbytes, so the finder fires and tries to import the missing package.
+    (site / "bitsandbytes").mkdir()
+    (site / "bitsandbytes" / "__init__.py").write_text("")
+    result = run_python(["-c", "import bitsandbytes; print('ok')"], executable=str(python), cwd=tmp_path)
+    assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ok", "")
+
+
+def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
+    python = _make_venv(tmp_path / "venv", with_dependencies=False)
+    (_site_packages(python) / "naive.pth").write_text("import _bnb_gc_fix_boot\n")
+    result = run_python(["-c", "pass"], executable=str(python), cwd=tmp_path)
+    assert "Error processing line" in result.stderr
+
+
+# --- the runner --------------------------------------------------------------------------------
+
+
+def test_runner_activates_in_the_child_without_a_startup_hook(bare_python: Path) -> None:
+    env = environment(PYTHONPATH=str(ROOT))  # the package on a shared PYTHONPATH, no .pth processed
+    command = [str(bare_python), "-m", "bnb_gc_fix", "run", "--", str(bare_python), str(TINY_OLMOE)]
+    result = run_python(command[1:], env=env, executable=command[0])
+    assert result.returncode == 0, result.stderr
+    assert [s["counter"] for s in result.steps] == [0] * 5
+    assert result.summary["via"] == "runner"
+
+
+def test_runner_control_same_child_without_runner_leaks(bare_python: Path) -> None:
+    env = environment(PYTHONPATH=str(ROOT))
+    result = run_python([str(TINY_OLMOE), "--steps", "3"], env=env, executable=str(bare_python))
+    assert result.returncode == 0, result.stderr
+    assert result.summary["bnb_gc_fix_imported"] is False
+    assert result.steps[-1]["counter"] > 0
+
+
+def test_runner_console_script_loads_the_users_sitecustomize(tmp_path: Path, bare_python: Path) -> None:
+    user_dir = tmp_path / "user"
+    user_dir.mkdir()
+    (user_dir / "sitecustomize.py").write_text("import builtins\nbuiltins.USER_SITECUSTOMIZE = 'loaded'\n")
+    env = environment(PYTHONPATH=os.pathsep.join([str(user_dir), str(ROOT)]))
+    probe = (
+        "import builtins, sys, json; print(json.dumps([getattr(builtins, 'USER_SITECUSTOMIZE', None), "
+        "sys.modules['sitecustomize'].__file__, '_bnb_gc_fix_boot' in sys.modules, sys.path[0]]))"
+    )
+    console = Path(sys.executable).parent / "bnb-gc-fix"
+    completed = subprocess.run(
+        [str(console), "run", "--", str(bare_python), "-c", probe], env=env, capture_output=True, text=True
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stderr == ""
+    user, module_file, hooked, _ = json.loads(completed.stdout)
+    assert user == "loaded"
+    assert module_file == str(user_dir / "sitecustomize.py")
+    assert hooked
+
+
+def test_runner_without_a_command_says_how_to_use_it() -> None:
+    result = run_python(["-m", "bnb_gc_fix", "run"])
+    assert result.returncode == 2
+    assert "usage: bnb-gc-fix run -- CMD" in result.stderr
+
+
+# --- BNB_GC_FIX values ----------------------------------------------------------------------------
+
+SWITCH = """
+import json, logging, sys, warnings
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s %(message)s")
+from bitsandbytes.nn import parametrize
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import bnb_gc_fix
+    explicit = bnb_gc_fix.activate()
+ours = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.BnbGcFixWarning)]
+wrapped = hasattr(parametrize._register_parametrization_hooks, "__wrapped__")
+print(json.dumps(dict(active=explicit.active, mode=explicit.mode, reason=explicit.reason,
+    wrapped=wrapped, warnings=ours, reset=bnb_gc_fix.reset())))
+"""
+
+
+def _switch(value: str | None) -> dict[str, object]:
+    result = run_code(SWITCH, switch=value)
+    facts: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
+    # The start-up hook imports the package when bitsandbytes is imported, before the snippet
+    # catches warnings: those reach stderr. Count both.
+    printed = [line for line in result.stderr.splitlines() if "Warning: " in line and "BNB_GC_FIX" in line]
+    facts["warnings"] = [*facts["warnings"], *printed]  # type: ignore[misc]
+    facts["log"] = result.stdout
+    return facts
+
+
+@pytest.mark.parametrize("value", [None, "", "auto", " AUTO ", "1", "on", "True", " yes ", "force", "Force"])
+def test_switch_values_that_patch(value: str | None) -> None:
+    facts = _switch(value)
+    assert facts["active"] is True and facts["wrapped"] is True
+    assert facts["warnings"] == []
+    expected = {None: "auto", "": "auto", "auto": "auto", " AUTO ": "auto", "force": "force", "Force": "force"}
+    assert facts["mode"] == expected.get(value, "on")
+
+
+@pytest.mark.parametrize("value", ["0", "off", "False", " NO "])
+def test_switch_values_that_turn_it_off(value: str) -> None:
+    facts = _switch(value)
+    assert facts["active"] is False and facts["wrapped"] is False
+    assert facts["mode"] == "off"
+    assert "disabled by the environment" in str(facts["reason"])
+    assert facts["warnings"] == []
+
+
+def test_unknown_switch_value_warns_once_and_behaves_as_auto() -> None:
+    facts = _switch("sometimes")
+    assert facts["active"] is True and facts["mode"] == "auto"
+    assert len(facts["warnings"]) == 1  # the hook, the import and activate() all read it: one warning
+    message = str(facts["warnings"][0])  # type: ignore[index]
+    assert "'sometimes'" in message and "0/off/false/no" in message and "force" in message
+
+
+def test_off_still_lets_explicit_helpers_work() -> None:
+    code = f"""
+import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+import torch, bnb_gc_fix, quantized
+from torch.utils.checkpoint import checkpoint
+model = torch.nn.ModuleList([quantized.make(params=2)])
+fixed = bnb_gc_fix.repair(model)
+x = torch.randn(2, 64)
+checkpoint(model[0], x, use_reentrant=False).sum().backward()
+print(json.dumps([bnb_gc_fix.status().active, fixed, quantized.counter()]))
+"""
+    assert json.loads(run_code(code, switch="0").stdout) == [False, 1, 0]
+
+
+# --- child processes ---------------------------------------------------------------------------
+
+
+def test_spawn_and_subprocess_children_are_covered() -> None:
+    result = run_python([str(SCENARIOS / "children.py")], timeout=600)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout.splitlines()[-1])
+    assert facts["parent_imported"] is False
+    assert facts["spawn"] == {"counters": [0, 0], "via": "start-up hook"}
+    assert facts["subprocess"] == {"counters": [0, 0], "via": "start-up hook"}
+
+
+def test_spawn_and_subprocess_children_control_leak() -> None:
+    result = run_python([str(SCENARIOS / "children.py")], switch="0", timeout=600)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout.splitlines()[-1])
+    assert facts["spawn"]["counters"][-1] > 0
+    assert facts["subprocess"]["counters"][-1] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _torchrun(switch: str | None) -> Run:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [
+        str(torchrun),
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        str(SCENARIOS / "ddp_train.py"),
+    ]
+    env = environment(switch, OMP_NUM_THREADS="1", STEPS="3")
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return Run(completed.returncode, completed.stdout, completed.stderr)
+
+
+def test_torchrun_two_ranks_are_covered_without_importing_the_package() -> None:
+    run = _torchrun(None)
+    steps = [r for r in run.records if "step" in r]
+    assert sorted({r["rank"] for r in steps}) == [0, 1]
+    assert all(r["counter"] == 0 for r in steps) and len(steps) == 6
+    summaries = [r["summary"] for r in run.records if "summary" in r]
+    assert [s["via"] for s in summaries] == ["start-up hook", "start-up hook"]
+
+
+def test_torchrun_control_switched_off_leaks_on_both_ranks() -> None:
+    run = _torchrun("0")
+    last = {r["rank"]: r["counter"] for r in run.records if "step" in r}
+    assert last[0] > 0 and last[1] > 0
