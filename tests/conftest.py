@@ -49,7 +49,9 @@ class Run:
     def our_stderr(self) -> str:
         """stderr without the lines torch/bitsandbytes print on their own."""
         return "\n".join(
-            line for line in self.stderr.splitlines() if line.strip() and not any(n in line for n in _FOREIGN_STDERR)
+            line
+            for line in self.stderr.splitlines()
+            if line.strip() and not any(n in line for n in _FOREIGN_STDERR)
         )
 
 

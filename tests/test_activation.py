@@ -205,7 +205,14 @@ def test_switch_values_that_patch(value: str | None) -> None:
     facts = _switch(value)
     assert facts["active"] is True and facts["wrapped"] is True
     assert facts["warnings"] == []
-    expected = {None: "auto", "": "auto", "auto": "auto", " AUTO ": "auto", "force": "force", "Force": "force"}
+    expected = {
+        None: "auto",
+        "": "auto",
+        "auto": "auto",
+        " AUTO ": "auto",
+        "force": "force",
+        "Force": "force",
+    }
     assert facts["mode"] == expected.get(value, "on")
 
 

@@ -1,0 +1,85 @@
+"""A real ``transformers.Trainer`` run (CPU, gradient checkpointing, 4 steps) on the tiny OLMoE
+with quantized experts, with or without ``LeakGuardCallback``. Prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+
+import bnb_gc_fix
+
+imported_by_package = sorted(m for m in ("transformers", "torch", "bitsandbytes") if m in sys.modules)
+
+import torch  # noqa: E402
+import torch.nn.utils.parametrize as P  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from tiny_olmoe import build  # noqa: E402
+
+
+class Recorder(TrainerCallback):
+    """Runs after the guard: records the counter at every step end."""
+
+    def __init__(self) -> None:
+        self.counters: list[int] = []
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.counters.append(int(P._cache_enabled))
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 128, (16,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--callback", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    model, _ = build(layers=2)
+    model.config.use_cache = False
+    guard = None
+    callbacks: list[TrainerCallback] = []
+    if args.callback:
+        from bnb_gc_fix.integrations.transformers import LeakGuardCallback
+
+        guard = LeakGuardCallback()
+        callbacks.append(guard)
+    recorder = Recorder()
+    callbacks.append(recorder)
+    with tempfile.TemporaryDirectory() as output_dir:
+        training = TrainingArguments(
+            output_dir=output_dir,
+            use_cpu=True,
+            gradient_checkpointing=True,
+            max_steps=4,
+            per_device_train_batch_size=1,
+            learning_rate=1e-2,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+        )
+        Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks).train()
+    print(
+        json.dumps(
+            {
+                "steps": len(recorder.counters),
+                "counters": recorder.counters,
+                "released": guard.released if guard else None,
+                "imported_by_package": imported_by_package,
+                "active": bnb_gc_fix.status().active,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

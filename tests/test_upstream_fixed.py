@@ -1,0 +1,113 @@
+"""bitsandbytes 0.50.x carries upstream's fix: the package steps aside (auto), or patches on request
+(force), and the guard still covers what upstream cannot: a forward left by KeyboardInterrupt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCENARIOS, environment, run_python, tiny_olmoe
+
+VERSION = "0.50.2"
+
+
+@pytest.fixture(scope="session")
+def bnb_050() -> Path:
+    """bitsandbytes 0.50.2 installed with --no-deps into a cache folder, shadowing 0.49.2 via PYTHONPATH."""
+    root = Path(os.environ.get("BNB_GC_FIX_TEST_CACHE", Path.home() / ".cache" / "bnb-gc-fix-tests"))
+    target = root / f"bitsandbytes-{VERSION}"
+    if not (target / "bitsandbytes" / "__init__.py").exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(target),
+                f"bitsandbytes=={VERSION}",
+            ],
+            check=True,
+        )
+    return target
+
+
+def _env(target: Path, switch: str | None = None) -> dict[str, str]:
+    return environment(switch, PYTHONPATH=str(target))
+
+
+def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
+    run = tiny_olmoe("--steps", "4", "--import-fix", env=_env(bnb_050))
+    assert [s["counter"] for s in run.steps] == [0] * 4
+    assert run.summary["active"] is False
+    assert "always_call=True (upstream fix)" in run.summary["reason"]
+    assert run.summary["reason"].endswith("nothing to patch")
+
+
+def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> None:
+    code = (
+        "import logging, sys, json\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(message)s')\n"
+        "from bitsandbytes.nn import parametrize\n"
+        "import bitsandbytes, bnb_gc_fix\n"
+        "s = bnb_gc_fix.activate()\n"
+        "print(json.dumps([bitsandbytes.__version__, s.active, s.affected,"
+        " hasattr(parametrize._register_parametrization_hooks, '__wrapped__')]))\n"
+    )
+    result = run_python(["-c", code], env=_env(bnb_050, "on"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == [VERSION, False, False, False]
+    assert "LOG bnb_gc_fix: nothing needed patching" in result.stdout
+
+
+def test_status_json_on_upstream_fixed(bnb_050: Path) -> None:
+    result = run_python(["-m", "bnb_gc_fix", "status", "--json"], env=_env(bnb_050))
+    facts = json.loads(result.stdout)
+    assert facts["bitsandbytes"] == VERSION
+    assert facts["affected"] is False and facts["in_affected_range"] is False
+    assert facts["active"] is False
+    assert "upstream fix" in facts["reason"]
+
+
+INTERRUPT = f"""
+import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+import torch, quantized
+import bnb_gc_fix
+module = quantized.make(params=2)
+module.interrupt = KeyboardInterrupt
+try:
+    module(torch.randn(2, 64))
+except KeyboardInterrupt:
+    pass
+stuck = quantized.counter()
+module.interrupt = None
+module(torch.randn(2, 64))
+print(json.dumps([bnb_gc_fix.status().active, stuck, quantized.counter()]))
+"""
+
+
+def test_keyboard_interrupt_leaks_even_upstream_control(bnb_050: Path) -> None:
+    result = run_python(["-c", INTERRUPT], env=_env(bnb_050))
+    assert result.returncode == 0, result.stderr
+    active, stuck, after = json.loads(result.stdout)
+    assert active is False and stuck == 2 and after == 2  # upstream's always_call cannot see Ctrl-C
+
+
+def test_force_patches_upstream_too_and_heals_keyboard_interrupt(bnb_050: Path) -> None:
+    result = run_python(["-c", INTERRUPT], env=_env(bnb_050, "force"))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [True, 1, 0]
+
+
+def test_force_status_reason_says_why(bnb_050: Path) -> None:
+    facts = json.loads(
+        run_python(["-m", "bnb_gc_fix", "status", "--json"], env=_env(bnb_050, "FORCE")).stdout
+    )
+    assert facts["active"] is True and facts["mode"] == "force"
+    assert "BNB_GC_FIX=force" in facts["reason"]
