@@ -100,9 +100,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  why:           {facts['reason']}")
     print(f"  turned on by:  {facts['via'] or '-'}")
     print(f"  start-up hook: {'installed' if facts['startup_hook'] else 'not installed'}")
-    print(
-        f"  {boot.VARIABLE}:    {'unset' if facts['switch'] is None else facts['switch']} (mode {facts['mode']})"
-    )
+    switch = "unset" if facts["switch"] is None else facts["switch"]
+    print(f"  {boot.VARIABLE}:    {switch} (mode {facts['mode']})")
     return 0
 
 
@@ -138,9 +137,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
             print("protected: the counter and the cache were back to zero after every step")
         else:
             print(
-                "LEAK: the parametrization cache stayed switched on after a step; dequantized weights "
-                "stay resident. Fix: pip install bnb-gc-fix (and unset BNB_GC_FIX=0), or upgrade to "
-                "bitsandbytes>=0.50"
+                "LEAK: the parametrization cache stayed switched on after a step, so dequantized weights "
+                f"stay resident. The fix is {'active' if current.active else 'not active'} here: {current.reason}."
             )
     return 0 if result.protected else 1
 

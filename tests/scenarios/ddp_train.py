@@ -16,7 +16,7 @@ import torch.nn.utils.parametrize as P
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_olmoe import build  # noqa: E402
+from tiny_olmoe import build
 
 
 def main() -> None:
