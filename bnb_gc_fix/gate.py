@@ -79,7 +79,8 @@ class Gate:
     def __init__(self) -> None:
         self._held: dict[int, int] = {}
         self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
-        _GATES.add(self)
+        with _LOCK:  # reset() walks the set under the lock
+            _GATES.add(self)
 
     def __reduce__(self) -> tuple[type[Gate], tuple[()]]:
         # A copied or unpickled module gets a fresh gate: holds belong to live calls only.
