@@ -4,18 +4,28 @@ bitsandbytes 0.48-0.49 switch torch's global parametrization cache on and off ar
 forward of a module with 4-bit parametrized parameters, with a plain pair of hooks per
 parameter. A forward left by an exception skips the plain forward hook, so the counter
 ``torch.nn.utils.parametrize._cache_enabled`` never returns to zero and the cache is never
-emptied again. The gate replaces that pair with one that is exact and heals itself:
+emptied again. The gate replaces that pair with one that is exact and heals itself.
 
-* the pre-hook takes one hold on the counter and records it against (module, thread);
-* the forward hook is registered with ``always_call=True``, so it also runs when the forward
-  raises an ``Exception`` (non-reentrant checkpointing stops its recompute that way), and it
-  releases only a hold that its own module's pre-hook took on the same thread;
-* the counter never goes below zero, and the cache is emptied whenever it reaches zero;
+**The invariant.** Each gate counts the holds its module's pre-hook took and its forward hook
+has not yet given back (``Gate.held``), and every change to ``held`` changes the global counter
+by the same amount. So a gate's share of the counter is always exactly ``held``:
+
+* the pre-hook takes one hold; the forward hook, registered with ``always_call=True`` so that it
+  also runs when the forward raises an ``Exception`` (non-reentrant checkpointing stops its
+  recompute that way), gives one back only if the module holds one: an earlier pre-hook that
+  raised never causes a stray release, and the counter never goes below zero;
+* the cache is emptied whenever the counter reaches zero;
 * torch runs no forward hook when a ``BaseException`` (``KeyboardInterrupt``) leaves the
-  forward. Such a hold is released at the module's next forward on that thread (the gate
-  checks the live call stack, so a genuinely nested call of the same module keeps its hold)
-  and when the module is garbage-collected;
+  forward. Such a hold is released at the module's next forward, which compares ``held`` with
+  the calls of the module that are live on the threads' stacks (a genuinely nested or
+  concurrent call keeps its hold), and when the module is garbage-collected (the gate dies with
+  the module's hook dictionaries and gives back what it still holds);
 * one gate per module however many of its parameters are quantized.
+
+**Threads.** Like torch's own cache, the hot path takes no lock: each hook's read-modify-write
+of ``held`` and of the counter is a run of bytecodes with no call in it, which CPython's global
+interpreter lock never interrupts. On a free-threaded build (no GIL) the same code runs under a
+lock instead.
 """
 
 from __future__ import annotations
@@ -33,52 +43,47 @@ import torch.nn.utils.parametrize as P
 ENABLE_NAME = "_enable_parametrization_cache"
 DISABLE_NAME = "_disable_parametrization_cache"
 
-# One lock for every gate: the counter is one global, and `P._cache_enabled += 1` is not atomic.
-_LOCK = threading.Lock()
-# Gates of garbage-collected modules whose holds could not be released on the spot (the lock
-# was taken, possibly by the very thread the collector interrupted); drained under the lock.
-_PENDING: list[Gate] = []
 _GATES: weakref.WeakSet[Gate] = weakref.WeakSet()
-_get_ident = threading.get_ident
 _CALL_IMPL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+# Serialises what is not on the hot path (healing, reset, new gates), and the hot path itself
+# only on a free-threaded build.
+_LOCK = threading.RLock()
 
 
-def release_locked(count: int) -> None:
-    """Give back ``count`` holds on the cache counter, clamped at zero (caller holds the lock)."""
+def _release(count: int) -> int:
+    """Give back up to ``count`` holds on the counter, clamped at zero; empty the cache at zero."""
     remaining = P._cache_enabled - count
     if remaining > 0:
         P._cache_enabled = remaining
     else:
         P._cache_enabled = 0
         P._cache = {}
+    return count
 
 
-def _drain_locked() -> None:
-    while _PENDING:
-        _PENDING.pop()._drop_locked()
-
-
-def _outer_calls(module: torch.nn.Module) -> int:
-    """How many calls of ``module`` are live on this thread's stack, besides the current one."""
+def _live_calls(module: torch.nn.Module) -> int:
+    """Calls of ``module`` live on any thread's stack, the caller's own call included."""
     if _CALL_IMPL_CODE is None:
-        return sys.maxsize  # cannot tell: treat every hold as legitimate
+        return sys.maxsize  # cannot tell: treat every hold as live
     live = 0
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is module:
-            live += 1
-        frame = frame.f_back
-    return max(live - 1, 0)
+    for top in sys._current_frames().values():
+        frame: FrameType | None = top
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is module:
+                live += 1
+            frame = frame.f_back
+    return live
 
 
 class Gate:
     """The parametrization-cache gate of one module. Its two bound methods are the hooks."""
 
-    __slots__ = ("__weakref__", "_finalizer", "_held")
+    __slots__ = ("__weakref__", "held")
 
     def __init__(self) -> None:
-        self._held: dict[int, int] = {}
-        self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
+        self.held = 0
+        """Holds this module's pre-hook took that its forward hook has not given back."""
         with _LOCK:  # reset() walks the set under the lock
             _GATES.add(self)
 
@@ -86,72 +91,82 @@ class Gate:
         # A copied or unpickled module gets a fresh gate: holds belong to live calls only.
         return (Gate, ())
 
-    @property
-    def held(self) -> int:
-        """Holds this gate has on the counter right now, over all threads."""
-        return sum(self._held.values())
+    def __del__(self) -> None:
+        # The module (or its hooks) went away: nothing can give these holds back any more.
+        try:
+            held = self.held
+            if held:
+                self.held = 0
+                _release(held)
+        except Exception:  # at interpreter shutdown torch may already be gone
+            pass
 
     def enter(self, module: torch.nn.Module, args: Any) -> None:
         """Forward pre-hook: take one hold and switch the cache on."""
-        thread = _get_ident()
-        with _LOCK:
-            if _PENDING:
-                _drain_locked()
-            held = self._held.get(thread, 0)
-            if held:
-                stale = held - _outer_calls(module)
-                if stale > 0:  # calls left by a BaseException on this thread
-                    held -= stale
-                    release_locked(stale)
-            self._held[thread] = held + 1
-            P._cache_enabled += 1
-        if self._finalizer is None:
-            self.watch(module)
+        if self.held:
+            self.heal(module)
+        self.held += 1
+        P._cache_enabled += 1
 
     def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Always-called forward hook: give back the hold this module's pre-hook took."""
-        thread = _get_ident()
-        with _LOCK:
-            held = self._held.get(thread, 0)
-            if not held:
-                return  # our pre-hook never ran for this call (an earlier pre-hook raised)
-            if held == 1:
-                del self._held[thread]
+        """Always-called forward hook: give back one hold, if this module's pre-hook took one."""
+        if self.held:
+            self.held -= 1
+            remaining = P._cache_enabled - 1
+            if remaining > 0:
+                P._cache_enabled = remaining
             else:
-                self._held[thread] = held - 1
-            release_locked(1)
+                P._cache_enabled = 0
+                P._cache = {}
 
-    def watch(self, module: torch.nn.Module) -> None:
-        """Release this gate's holds when ``module`` is garbage-collected."""
-        finalizer = weakref.finalize(module, _forget, self)
-        finalizer.atexit = False
-        self._finalizer = finalizer
+    def heal(self, module: torch.nn.Module) -> int:
+        """Release holds of calls that are no longer on any stack (left by a BaseException).
 
-    def _drop_locked(self) -> int:
-        held = self.held
-        self._held.clear()
-        if held:
-            release_locked(held)
-        return held
-
-
-def _forget(gate: Gate) -> None:
-    # Runs from the garbage collector, possibly in the middle of a locked section of this
-    # very thread: never block on the lock, defer to the next gate operation instead.
-    if _LOCK.acquire(blocking=False):
-        try:
-            gate._drop_locked()
-        finally:
-            _LOCK.release()
-    else:
-        _PENDING.append(gate)
+        Called by the pre-hook when the module already holds something, before it takes its
+        own hold; returns the holds released.
+        """
+        with _LOCK:
+            live = _live_calls(module) - 1  # minus the call being entered
+            # Read, compare and write `held` with no call in between: other threads' hooks
+            # may have moved it while the stacks were walked, and it must never go negative.
+            held = self.held
+            stale = held - live
+            if stale <= 0:
+                return 0
+            self.held = live
+            return _release(stale)
 
 
-def _is_ours(hook: Callable[..., Any]) -> bool:
+class _LockedGate(Gate):
+    """The gate for free-threaded Python builds, where the hot path needs the lock."""
+
+    __slots__ = ()
+
+    def enter(self, module: torch.nn.Module, args: Any) -> None:
+        with _LOCK:
+            super().enter(module, args)
+
+    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        with _LOCK:
+            super().exit(module, args, output)
+
+    def __reduce__(self) -> tuple[type[Gate], tuple[()]]:
+        return (_LockedGate, ())
+
+    def __del__(self) -> None:
+        with _LOCK:
+            super().__del__()
+
+
+_GATE_CLASS: type[Gate] = Gate if _GIL else _LockedGate
+
+
+def _is_ours(hook: object) -> bool:
     return isinstance(getattr(hook, "__self__", None), Gate)
 
 
-def _find_gate(module: torch.nn.Module) -> Gate | None:
+def gate_of(module: torch.nn.Module) -> Gate | None:
+    """The gate installed on ``module``, if any."""
     for hook in module._forward_pre_hooks.values():
         owner = getattr(hook, "__self__", None)
         if isinstance(owner, Gate):
@@ -162,7 +177,7 @@ def _find_gate(module: torch.nn.Module) -> Gate | None:
 def _named(hook: object, name: str) -> bool:
     # bitsandbytes' functions, wrapt wrappers of them (which forward __name__), and look-alike
     # copies in other libraries (axolotl's moe_quant defines functions of the same names).
-    return getattr(hook, "__name__", None) == name and not _is_ours(hook)  # type: ignore[arg-type]
+    return getattr(hook, "__name__", None) == name and not _is_ours(hook)
 
 
 def install(module: torch.nn.Module) -> bool:
@@ -184,19 +199,13 @@ def install(module: torch.nn.Module) -> bool:
         del post_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         module._forward_hooks_always_called.pop(key, None)
-    if _find_gate(module) is None:
-        gate = Gate()
+    if gate_of(module) is None:
+        gate = _GATE_CLASS()
         # First among the module's pre-hooks, so no pre-hook of its own can raise before the
         # hold is taken; the forward hook runs whatever happens after that.
         module.register_forward_pre_hook(gate.enter, prepend=True)
         module.register_forward_hook(gate.exit, always_call=True)
-        gate.watch(module)
     return True
-
-
-def gate_of(module: torch.nn.Module) -> Gate | None:
-    """The gate installed on ``module``, if any."""
-    return _find_gate(module)
 
 
 def clamped_disable(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -204,7 +213,7 @@ def clamped_disable(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: 
     with _LOCK:
         if P._cache_enabled > 0:
             return wrapped(*args, **kwargs)
-        release_locked(0)
+        _release(0)
         return None
 
 
@@ -226,8 +235,7 @@ def reset() -> int:
     """Switch the cache off and empty it; forget every gate's holds. Returns the holds released."""
     with _LOCK:
         released = max(int(P._cache_enabled), 0)
-        _PENDING.clear()
         for gate in list(_GATES):
-            gate._held.clear()
-        release_locked(released)
+            gate.held = 0
+        _release(released)
     return released
