@@ -15,8 +15,8 @@ It is also the one place that knows the ``BNB_GC_FIX`` vocabulary, so the packag
 start-up hook can never disagree about what a value means.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: the __future__ module is not loaded at start-up,
+# and importing it would cost every Python process. Annotations that need it are quoted.
 import os
 import sys
 
@@ -47,10 +47,10 @@ _TRIGGERED_MODULE = "bitsandbytes"
 
 #: How the fix was turned on before the package was imported ("start-up hook" or "runner"),
 #: set by the finder just before it imports ``bnb_gc_fix``; ``None`` when it has not fired.
-trigger: str | None = None
+trigger: "str | None" = None
 
 
-def parse(raw: str | None) -> tuple[str, bool]:
+def parse(raw: "str | None") -> "tuple[str, bool]":
     """Return ``(mode, recognised)`` for a raw ``BNB_GC_FIX`` value.
 
     Values are trimmed and case-insensitive. An unrecognised value means ``auto``; the caller
@@ -96,7 +96,7 @@ class BitsandbytesWatcher:
             pass
 
 
-def installed_watcher() -> BitsandbytesWatcher | None:
+def installed_watcher() -> "BitsandbytesWatcher | None":
     """The watcher on ``sys.meta_path``, if the start-up hook or the runner installed one."""
     for finder in sys.meta_path:
         if getattr(finder, "bnb_gc_fix_watcher", False):
