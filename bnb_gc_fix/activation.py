@@ -182,16 +182,8 @@ def status() -> Status:
     verdict = _state.verdict
     bnb = decide.bitsandbytes_version()
     reason = _state.reason
-    if (
-        _state.pending
-        and bnb is not None
-        and decide.in_affected_range(bnb) is False
-        and not _has_parametrize(bnb)
-    ):
-        reason = (
-            f"bitsandbytes {bnb} has no {decide.PARAMETRIZE} (added in {decide.FIRST_AFFECTED}), "
-            "so it cannot leak this way; nothing to patch"
-        )
+    if _state.pending:
+        reason = _pending_reason(bnb) or reason
     return Status(
         active=_state.active,
         reason=reason,
@@ -206,10 +198,25 @@ def status() -> Status:
     )
 
 
-def _has_parametrize(version: str) -> bool:
-    from packaging.version import Version
+def _pending_reason(bnb: str | None) -> str | None:
+    """A truer sentence than "waiting" when what the patch waits for can never come."""
+    if bnb is not None:
+        if decide.before_parametrize(bnb):
+            return (
+                f"bitsandbytes {bnb} has no {decide.PARAMETRIZE} (added in {decide.FIRST_AFFECTED}), "
+                "so it cannot leak this way; nothing to patch"
+            )
+        return None
+    if "bitsandbytes" in sys.modules:
+        return None
+    from importlib.machinery import PathFinder
 
-    return Version(Version(version).base_version) >= decide.FIRST_AFFECTED
+    if PathFinder.find_spec("bitsandbytes") is None:
+        return (
+            "bitsandbytes is not installed, so there is nothing to patch; the fix stays armed and "
+            "patches it if it is imported later"
+        )
+    return None
 
 
 def activate_on_import() -> None:

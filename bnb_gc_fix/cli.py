@@ -136,9 +136,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
         if result.protected:
             print("protected: the counter and the cache were back to zero after every step")
         else:
+            state = "active" if current.active else "not active"
             print(
                 "LEAK: the parametrization cache stayed switched on after a step, so dequantized weights "
-                f"stay resident. The fix is {'active' if current.active else 'not active'} here: {current.reason}."
+                f"stay resident. The fix is {state} here: {current.reason}."
             )
     return 0 if result.protected else 1
 

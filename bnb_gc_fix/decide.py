@@ -56,6 +56,12 @@ def in_affected_range(version: str | None) -> bool | None:
     return FIRST_AFFECTED <= release < FIRST_FIXED
 
 
+def before_parametrize(version: str) -> bool:
+    """Whether a bitsandbytes version predates ``bitsandbytes.nn.parametrize`` (0.48.0)."""
+    parsed = _parse(version)
+    return parsed is not None and Version(parsed.base_version) < FIRST_AFFECTED
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the decision found for one imported ``bitsandbytes.nn.parametrize``."""
