@@ -16,7 +16,21 @@ import json
 import warnings
 
 
-def build(layers: int = 3, experts: int = 8, hidden: int = 64, weight_norm: bool = False):  # type: ignore[no-untyped-def]
+def build(  # type: ignore[no-untyped-def]
+    layers: int = 3,
+    experts: int = 8,
+    hidden: int = 64,
+    weight_norm: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
+):
+    """A random tiny OLMoE whose fused experts are quantized to 4 bits by bitsandbytes.
+
+    Only the router gates (``.mlp.gate.``) are trainable, as in a router-only fine-tune. The model
+    is moved to ``device`` before quantizing, so the quantization state lives there. Returns
+    ``(model, extra)``, ``extra`` being the weight_norm Linear when asked for. The benchmarks build
+    their model here too.
+    """
     import torch
     from bitsandbytes.nn import parametrize as bnb_parametrize
     from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -36,7 +50,7 @@ def build(layers: int = 3, experts: int = 8, hidden: int = 64, weight_norm: bool
         pad_token_id=None,
         bos_token_id=None,
     )
-    model = OlmoeForCausalLM(config)
+    model = OlmoeForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
     for layer in model.model.layers:
         bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "gate_up_proj", quant_type="nf4")
         bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "down_proj", quant_type="nf4")

@@ -1,0 +1,71 @@
+"""The memory benchmark on CUDA, in one command (a few minutes at most on any recent GPU).
+
+Runs benchmarks/memory.py with ``--device cuda`` (three fresh worker processes: unfixed
+bitsandbytes, this package, upstream 0.50's fix patched in; 50 steps each), which records per
+step the cache counter, the bytes held by the cache, ``torch.cuda.memory_allocated()`` and
+``torch.cuda.max_memory_allocated()`` (peak reset before every step). Writes
+``benchmarks/results/memory-cuda.json`` and ``.md``, then redraws ``docs/memory.png`` with the
+CUDA panels if matplotlib is installed.
+
+    python benchmarks/gpu.py                      # on a machine with a CUDA GPU
+    python benchmarks/gpu.py --dtype bfloat16     # extra options go to memory.py
+    python benchmarks/gpu.py --device cpu         # smoke run of this script without a GPU
+                                                  # (quick settings, results/tmp/, no plot)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import _common as common
+import memory
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
+    parser.add_argument("--no-plot", action="store_true", help="do not redraw docs/memory.png")
+    args, forwarded = parser.parse_known_args(argv)
+    smoke = not args.device.startswith("cuda")
+    if not smoke:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device is available; use --device cpu for a smoke run", file=sys.stderr)
+            return 2
+        print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", file=sys.stderr)
+    output = common.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
+    memory_args = ["--device", args.device, "--output", str(output), *forwarded]
+    if smoke and "--quick" not in forwarded:
+        memory_args.append("--quick")
+    started = time.perf_counter()
+    result = memory.main(memory_args)
+    assert result is not None
+    print(f"memory benchmark on {args.device}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if not smoke:
+        for config in common.CONFIGS:
+            final = result["configs"][config]["final"]
+            print(
+                f"{config:>14}: cache {common.mib(final['cache_bytes'])} held, allocated after last step "
+                f"{common.mib(final['allocated_bytes'])} (grew {common.mib(final['allocated_growth_bytes'])} "
+                f"since step 1), peak {common.mib(final['max_allocated_bytes'])}"
+            )
+    if not smoke and not args.no_plot:
+        try:
+            import plot
+
+            plot.plot(plot._load(common.RESULTS / "memory-cpu.json"), result, common.DOCS / "memory.png")
+        except ImportError as error:
+            print(
+                f"not plotting ({error}); pip install matplotlib, then run benchmarks/plot.py",
+                file=sys.stderr,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Run every benchmark, one after the other, with one command; then redraw docs/memory.png.
+
+    python benchmarks/run_all.py            # everything, about 6 minutes on 2 CPU cores
+    python benchmarks/run_all.py --quick    # smoke run: small sizes, results in results/tmp/
+    python benchmarks/run_all.py --gpu      # also the CUDA memory benchmark (needs a GPU)
+    python benchmarks/run_all.py --only hotpath startup
+
+Each benchmark runs in its own interpreter (``sys.executable``), so the start-up hook and the
+``BNB_GC_FIX`` switch behave as they do for users. Never run it alongside the tests if the
+timings matter: the machine is then shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import _common as common
+
+BENCHMARKS = ("memory", "hotpath", "startup", "gpu", "plot")
+
+
+def commands(quick: bool, gpu: bool) -> dict[str, list[str]]:
+    quick_flag = ["--quick"] if quick else []
+    found = {
+        "memory": ["memory.py", *quick_flag],
+        "hotpath": ["hotpath.py", *quick_flag],
+        "startup": ["startup.py"]
+        + (["--pairs", "30", "--output", str(common.RESULTS / "tmp" / "startup.json")] if quick else []),
+        "gpu": ["gpu.py", "--no-plot"] + (["--quick"] if quick else []),
+        "plot": ["plot.py"]
+        + (
+            [
+                "--cpu",
+                str(common.RESULTS / "tmp" / "memory-cpu-quick.json"),
+                "--output",
+                str(common.RESULTS / "tmp" / "memory.png"),
+            ]
+            if quick
+            else []
+        ),
+    }
+    if not gpu:
+        del found["gpu"]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run; results go to results/tmp/")
+    parser.add_argument("--gpu", action="store_true", help="also run gpu.py (CUDA memory benchmark)")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
+    args = parser.parse_args(argv)
+    failures = []
+    for name, command in commands(args.quick, args.gpu).items():
+        if args.only and name not in args.only:
+            continue
+        print(f"\n=== {name}: python benchmarks/{' '.join(command)}", flush=True)
+        started = time.perf_counter()
+        code = subprocess.call([sys.executable, str(common.HERE / command[0]), *command[1:]], cwd=common.ROOT)
+        print(f"=== {name}: exit status {code}, {time.perf_counter() - started:.0f} s", flush=True)
+        if code:
+            failures.append(name)
+    if failures:
+        print(f"failed: {', '.join(failures)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

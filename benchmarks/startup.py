@@ -1,0 +1,258 @@
+"""Start-up benchmark: what the ``bnb_gc_fix.pth`` hook adds to ``python -c pass``.
+
+Every Python process of an environment where bnb-gc-fix is installed runs the ``.pth`` line,
+so its cost is paid by processes that never touch bitsandbytes. This script:
+
+1. builds the wheel (``python -m build --wheel``, or ``pip wheel`` if build is missing);
+2. makes two virtual environments from the same interpreter, both with wrapt and packaging
+   at the versions of the running environment, and installs the wheel (``--no-deps``) into
+   one of them only: the two differ only by this package;
+3. checks that the hook is live in one (a watcher on ``sys.meta_path``) and absent in the other;
+4. runs ``python -c pass`` in both, in pairs whose order alternates, after warm-up runs,
+   and reports the median of the per-pair ratios (with the package / without) and the
+   median absolute times, both wall-clock and the child's CPU time (user + system, from
+   ``os.wait4``), which other load on the machine disturbs less.
+
+Why two environments rather than renaming the ``.pth`` file between runs: renaming
+changes the environment being measured while it is measured (directory metadata, the
+import system's directory caches) and leaves it broken if the run is interrupted; two
+environments made the same way, warmed up and measured alternately, differ only in what we
+want to measure.
+
+    python benchmarks/startup.py              # 100 pairs; writes results/startup.json
+    python benchmarks/startup.py --pairs 30
+    python benchmarks/startup.py --variants   # also time candidate changes to the hook
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import _common as common
+
+PROBE = "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))"
+
+
+def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, check=True, text=True, capture_output=True, **kwargs)
+
+
+def build_wheel(outdir: Path) -> Path:
+    try:
+        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(common.ROOT)])
+    except (subprocess.CalledProcessError, FileNotFoundError) as error:
+        print(f"python -m build failed ({error}); trying pip wheel", file=sys.stderr)
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(common.ROOT)])
+    wheels = sorted(outdir.glob("bnb_gc_fix-*.whl"))
+    if not wheels:
+        raise SystemExit(f"no wheel was built in {outdir}")
+    return wheels[-1]
+
+
+def make_venv(path: Path, wheel: Path | None) -> Path:
+    _run([sys.executable, "-m", "venv", str(path)])
+    python = path / "bin" / "python"
+    if not python.exists():  # Windows layout
+        python = path / "Scripts" / "python.exe"
+    requirements = [f"wrapt=={version('wrapt')}", f"packaging=={version('packaging')}"]
+    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements])
+    if wheel is not None:
+        _run(
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                str(wheel),
+            ]
+        )
+    return python
+
+
+def clean_env() -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "BNB_GC_FIX"))}
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def time_once(python: Path, env: dict[str, str]) -> tuple[float, float]:
+    """One ``python -c pass``: (wall ms, the child's CPU ms, user + system)."""
+    started = time.perf_counter_ns()
+    process = subprocess.Popen([str(python), "-c", "pass"], env=env)
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = (time.perf_counter_ns() - started) / 1e6
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"{python} -c pass failed with status {process.returncode}")
+    return wall, (usage.ru_utime + usage.ru_stime) * 1e3
+
+
+def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    ratios = [row[f"with_{kind}_ms"] / row[f"without_{kind}_ms"] for row in rows]
+    return {
+        "median_with_ms": common.median([row[f"with_{kind}_ms"] for row in rows]),
+        "median_without_ms": common.median([row[f"without_{kind}_ms"] for row in rows]),
+        "median_difference_ms": common.median(
+            [row[f"with_{kind}_ms"] - row[f"without_{kind}_ms"] for row in rows]
+        ),
+        "ratio": {"median": common.median(ratios), "min": min(ratios), "max": max(ratios)},
+    }
+
+
+def measure(with_package: Path, without: Path, pairs: int, warmup: int) -> dict[str, Any]:
+    env = clean_env()
+    for _ in range(warmup):
+        time_once(with_package, env)
+        time_once(without, env)
+    rows: list[dict[str, Any]] = []
+    for index in range(pairs):
+        if index % 2 == 0:
+            a = time_once(with_package, env)
+            b = time_once(without, env)
+        else:
+            b = time_once(without, env)
+            a = time_once(with_package, env)
+        rows.append(
+            {
+                "with_wall_ms": a[0],
+                "without_wall_ms": b[0],
+                "with_cpu_ms": a[1],
+                "without_cpu_ms": b[1],
+                "first": "with" if index % 2 == 0 else "without",
+            }
+        )
+    wall = _summary(rows, "wall")
+    return {
+        "pairs": pairs,
+        "warmup_pairs": warmup,
+        "wall": wall,
+        "cpu": _summary(rows, "cpu"),
+        "goal": "wall-clock ratio <= 1.05",
+        "met": wall["ratio"]["median"] <= 1.05,
+        "runs": rows,
+    }
+
+
+SITE_PACKAGES = Path("lib") / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+
+
+def _variant(source: Path, target: Path, pth: str | None, drop_future: bool) -> Path:
+    """A copy of the venv with the package, with the start-up hook changed (measurement only)."""
+    shutil.copytree(source, target, symlinks=True)
+    site_packages = target / SITE_PACKAGES
+    if pth is not None:
+        (site_packages / "bnb_gc_fix.pth").write_text(pth + "\n")
+    if drop_future:  # fine on Python >= 3.10 only: the annotations are then evaluated at runtime
+        boot = site_packages / "_bnb_gc_fix_boot.py"
+        boot.write_text(boot.read_text().replace("from __future__ import annotations\n", "", 1))
+    for cached in (site_packages / "__pycache__").glob("_bnb_gc_fix_boot.*"):
+        cached.unlink()
+    return target / "bin" / "python"
+
+
+#: Candidate changes to the start-up hook, measured with --variants (the package is not changed).
+VARIANTS: dict[str, tuple[str | None, bool]] = {
+    "a plain `import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()` .pth line (not silent "
+    "when the boot module is missing)": (
+        "import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()",
+        False,
+    ),
+    "the .pth file alone (`import sys`), no boot module: the floor of any .pth hook": ("import sys", False),
+}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pairs", type=int, default=100, help="paired runs (at least 30; default 100)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument(
+        "--workdir", type=Path, help="where to build the wheel and venvs (default: a temp dir)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    parser.add_argument("--output", type=Path)
+    parser.add_argument(
+        "--variants", action="store_true", help="also measure candidate changes to the start-up hook"
+    )
+    args = parser.parse_args(argv)
+    if args.pairs < 30:
+        parser.error("--pairs must be at least 30")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bnb-gc-fix-startup-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        print(f"building the wheel and two venvs in {workdir}", file=sys.stderr)
+        wheel = build_wheel(workdir / "dist")
+        with_package = make_venv(workdir / "with", wheel)
+        without = make_venv(workdir / "without", None)
+        env = clean_env()
+        live = _run([str(with_package), "-c", PROBE], env=env).stdout.strip()
+        absent = _run([str(without), "-c", PROBE], env=env).stdout.strip()
+        if (live, absent) != ("True", "False"):
+            raise SystemExit(f"the start-up hook is not where it should be: with={live} without={absent}")
+        print(f"timing {args.pairs} pairs of `python -c pass`", file=sys.stderr)
+        measured = measure(with_package, without, args.pairs, args.warmup)
+        variants: dict[str, Any] = {}
+        for index, (name, (pth, drop_future)) in enumerate(VARIANTS.items() if args.variants else ()):
+            python = _variant(workdir / "with", workdir / f"variant-{index}", pth, drop_future)
+            print(f"timing {args.pairs} pairs: {name}", file=sys.stderr)
+            figures = measure(python, without, args.pairs, args.warmup)
+            variants[name] = {kind: figures[kind] for kind in ("wall", "cpu")}
+    finally:
+        if not args.keep and args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result: dict[str, Any] = {
+        "benchmark": "startup",
+        "machine": common.machine(),
+        "command": "python -c pass",
+        "wheel": wheel.name,
+        "environments": (
+            "two venvs made by `python -m venv` from the same interpreter, both with wrapt and "
+            "packaging pinned to the running environment's versions; the wheel installed "
+            "--no-deps into one only"
+        ),
+        "hook_live_with_package": True,
+        "method": (
+            "paired runs, order alternating every pair, after warm-up; ratio = median of pair ratios; "
+            "wall = perf_counter around spawn+wait, cpu = the child's user+system time (os.wait4), "
+            "less sensitive to other load on the machine"
+        ),
+        **measured,
+        "variants": variants,
+        "wall_s": time.perf_counter() - started,
+    }
+    output: Path = args.output or common.RESULTS / "startup.json"
+    common.write_json(output, result)
+    for kind in ("wall", "cpu"):
+        figures = measured[kind]
+        print(
+            f"python -c pass, {kind}: {figures['median_with_ms']:.2f} ms with the package, "
+            f"{figures['median_without_ms']:.2f} ms without, "
+            f"difference {figures['median_difference_ms']:.2f} ms; "
+            f"ratio {figures['ratio']['median']:.3f} (median of {args.pairs} pairs)"
+        )
+    print(f"goal {measured['goal']}: {'met' if measured['met'] else 'NOT met'}")
+    for name, figures in variants.items():
+        print(
+            f"variant, {name}: difference {figures['cpu']['median_difference_ms']:.2f} ms CPU, "
+            f"ratio {figures['wall']['ratio']['median']:.3f} wall, "
+            f"{figures['cpu']['ratio']['median']:.3f} CPU"
+        )
+    return result
+
+
+if __name__ == "__main__":
+    main()
