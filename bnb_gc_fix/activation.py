@@ -8,6 +8,7 @@ right (upstream's fix, found by a probe of its code), it steps aside and says wh
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -64,8 +65,6 @@ _state = _State()
 
 
 def _read_switch() -> str:
-    import os
-
     raw = os.environ.get(boot.VARIABLE)
     mode, recognised = boot.parse(raw)
     if not recognised and not _state.warned_switch:
@@ -111,7 +110,12 @@ def _on_parametrize_import(parametrize: ModuleType) -> None:
         with _state.lock:
             if not _state.pending:  # deactivate() cancelled it
                 return
-            _apply(parametrize, boot.mode())
+            mode = boot.mode()
+            if mode == boot.OFF:  # switched off since activation: the kill switch still holds
+                _state.pending = False
+                _state.reason = _disabled_reason()
+                return
+            _apply(parametrize, mode)
     except Exception as error:
         _state.reason = f"patching failed: {type(error).__name__}: {error}; nothing patched"
         warnings.warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning, stacklevel=2)
@@ -127,10 +131,9 @@ def activate(*, via: str = "activate()") -> Status:
         with _state.lock:
             mode = _read_switch()
             if mode == boot.OFF:
-                _state.reason = (
-                    f"disabled by the environment: {boot.VARIABLE}={_env_value()!r} switches the fix off; "
-                    "nothing patched"
-                )
+                if not _state.active:  # an earlier patch stays until deactivate()
+                    _state.pending = False
+                    _state.reason = _disabled_reason()
                 return status()
             if _state.via is None or not (_state.active or _state.pending):
                 _state.via = via
@@ -172,9 +175,12 @@ def deactivate() -> None:
 
 
 def _env_value() -> str | None:
-    import os
-
     return os.environ.get(boot.VARIABLE)
+
+
+def _disabled_reason() -> str:
+    switch = f"{boot.VARIABLE}={_env_value()!r}"
+    return f"disabled by the environment: {switch} switches the fix off; nothing patched"
 
 
 def status() -> Status:

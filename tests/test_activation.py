@@ -13,7 +13,17 @@ import venv
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCENARIOS, TINY_OLMOE, Run, environment, run_code, run_python, tiny_olmoe
+from conftest import (
+    ROOT,
+    SCENARIOS,
+    TINY_OLMOE,
+    WITHOUT_STARTUP_HOOK,
+    Run,
+    environment,
+    run_code,
+    run_python,
+    tiny_olmoe,
+)
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
@@ -304,3 +314,36 @@ def test_torchrun_control_switched_off_leaks_on_both_ranks() -> None:
     run = _torchrun("0")
     last = {r["rank"]: r["counter"] for r in run.records if "step" in r}
     assert last[0] > 0 and last[1] > 0
+
+
+PENDING = (
+    WITHOUT_STARTUP_HOOK
+    + """
+import json, os
+import bnb_gc_fix
+pending = bnb_gc_fix.status().pending
+CANCEL
+from bitsandbytes.nn import parametrize
+status = bnb_gc_fix.status()
+print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, "__wrapped__"),
+    status.active, status.pending, status.reason]))
+"""
+)
+
+
+@pytest.mark.parametrize(
+    ("cancel", "reason"),
+    [
+        ("pass", "patched"),
+        ("bnb_gc_fix.deactivate()", "deactivated by deactivate()"),
+        ("os.environ['BNB_GC_FIX'] = 'off'", "disabled by the environment"),
+    ],
+    ids=["control-stays-pending", "deactivate", "switched-off"],
+)
+def test_a_pending_patch_can_be_cancelled(cancel: str, reason: str) -> None:
+    pending, wrapped, active, still_pending, said = json.loads(
+        run_code(PENDING.replace("CANCEL", cancel)).stdout
+    )
+    assert pending is True and still_pending is False
+    assert (wrapped, active) == ((True, True) if cancel == "pass" else (False, False))
+    assert reason in said
