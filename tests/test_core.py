@@ -436,3 +436,53 @@ def test_unexpected_internals_mean_no_patch_and_one_warning(change: str, expecte
     assert expected in facts["reason"] and facts["reason"].endswith("nothing patched")
     assert len(facts["warnings"]) == 1 and expected in facts["warnings"][0]
     assert facts["untouched"]
+
+
+LOOKALIKE = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+from torch.utils.checkpoint import checkpoint
+import bnb_gc_fix, quantized
+
+# Another library's copy of the pair (axolotl's 8-bit MoE path defines functions of these names
+# in its own module and registers them the same way), on a parametrization of its own.
+def _enable_parametrization_cache(module, inputs):
+    P._cache_enabled += 1
+
+def _disable_parametrization_cache(module, inputs, output):
+    P._cache_enabled -= 1
+    if not P._cache_enabled:
+        P._cache = {}
+
+class Dequantize(torch.nn.Module):
+    def forward(self, stored):
+        return stored * 1.0
+
+torch.manual_seed(0)
+module = quantized.Quantized(params=2)
+for name in module.names:
+    getattr(module, name).requires_grad_(False)
+    P.register_parametrization(module, name, Dequantize(), unsafe=True)
+    module.register_forward_pre_hook(_enable_parametrization_cache)
+    module.register_forward_hook(_disable_parametrization_cache)
+fixed = bnb_gc_fix.repair(module) if sys.argv[1] == "repair" else 0
+x = torch.randn(4, 64)
+counters = []
+for step in range(3):
+    checkpoint(module, x, use_reentrant=False).pow(2).mean().backward()
+    counters.append(quantized.counter())
+print(json.dumps([fixed, counters]))
+"""
+)
+
+
+def test_repair_recognises_look_alike_copies_in_other_libraries() -> None:
+    fixed, counters = json.loads(run_code(LOOKALIKE.replace("sys.argv[1]", "'repair'")).stdout)
+    assert fixed == 1 and counters == [0, 0, 0]
+
+
+def test_look_alike_control_leaks_without_repair() -> None:
+    _, counters = json.loads(run_code(LOOKALIKE.replace("sys.argv[1]", "'no'")).stdout)
+    assert counters[-1] > counters[0] > 0
