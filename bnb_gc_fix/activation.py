@@ -45,7 +45,9 @@ class Status:
     switch: str | None = None
     """The raw ``BNB_GC_FIX`` value, or None when unset."""
     via: str | None = None
-    """How the fix was turned on: import, start-up hook, runner or activate()."""
+    """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
+    process when the package was first imported (it would have turned the fix on anyway), "import"
+    when nothing else was, "activate()" after a deactivate(); None while the fix is off."""
 
 
 class _State:
