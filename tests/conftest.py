@@ -34,7 +34,10 @@ class Run:
         for line in self.stdout.splitlines():
             line = line.strip()
             if line.startswith("{"):
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # a library's own printout (Trainer prints dicts)
+                    continue
         return out
 
     @property

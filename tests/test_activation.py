@@ -11,6 +11,7 @@ import sys
 import sysconfig
 import venv
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -18,7 +19,6 @@ from conftest import (
     SCENARIOS,
     TINY_OLMOE,
     WITHOUT_STARTUP_HOOK,
-    Run,
     environment,
     run_code,
     run_python,
@@ -283,7 +283,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _torchrun(switch: str | None) -> Run:
+def _torchrun(switch: str | None, results: Path) -> list[dict[str, Any]]:
     torchrun = Path(sys.executable).parent / "torchrun"
     command = [
         str(torchrun),
@@ -295,24 +295,25 @@ def _torchrun(switch: str | None) -> Run:
         str(_free_port()),
         str(SCENARIOS / "ddp_train.py"),
     ]
-    env = environment(switch, OMP_NUM_THREADS="1", STEPS="3")
+    env = environment(switch, OMP_NUM_THREADS="1", STEPS="3", RESULTS_DIR=str(results))
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    return Run(completed.returncode, completed.stdout, completed.stderr)
+    lines = [line for rank in (0, 1) for line in (results / f"rank{rank}.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in lines]
 
 
-def test_torchrun_two_ranks_are_covered_without_importing_the_package() -> None:
-    run = _torchrun(None)
-    steps = [r for r in run.records if "step" in r]
+def test_torchrun_two_ranks_are_covered_without_importing_the_package(tmp_path: Path) -> None:
+    records = _torchrun(None, tmp_path)
+    steps = [r for r in records if "step" in r]
     assert sorted({r["rank"] for r in steps}) == [0, 1]
     assert all(r["counter"] == 0 for r in steps) and len(steps) == 6
-    summaries = [r["summary"] for r in run.records if "summary" in r]
+    summaries = [r["summary"] for r in records if "summary" in r]
     assert [s["via"] for s in summaries] == ["start-up hook", "start-up hook"]
 
 
-def test_torchrun_control_switched_off_leaks_on_both_ranks() -> None:
-    run = _torchrun("0")
-    last = {r["rank"]: r["counter"] for r in run.records if "step" in r}
+def test_torchrun_control_switched_off_leaks_on_both_ranks(tmp_path: Path) -> None:
+    records = _torchrun("0", tmp_path)
+    last = {r["rank"]: r["counter"] for r in records if "step" in r}
     assert last[0] > 0 and last[1] > 0
 
 

@@ -1,7 +1,8 @@
 """DistributedDataParallel (gloo, CPU) around the tiny OLMoE with gradient checkpointing.
 
-Launched by ``torchrun --nproc_per_node 2``; never imports bnb_gc_fix. Each rank prints one JSON
-line per step and a summary line.
+Launched by ``torchrun --nproc_per_node 2``; never imports bnb_gc_fix. Each rank writes one JSON
+line per step and a summary line to ``$RESULTS_DIR/rank<N>.jsonl`` (the ranks share one stdout,
+where their lines can interleave).
 """
 
 from __future__ import annotations
@@ -30,15 +31,25 @@ def main() -> None:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(rank))
     steps = int(os.environ.get("STEPS", "3"))
+    out = open(os.path.join(os.environ["RESULTS_DIR"], f"rank{rank}.jsonl"), "w")
+
+    def write(record: dict[str, object]) -> None:
+        print(json.dumps(record), file=out, flush=True)
+
     for step in range(steps):
         loss = ddp(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        print(json.dumps({"rank": rank, "step": step, "counter": int(P._cache_enabled)}), flush=True)
+        print(
+            json.dumps({"rank": rank, "step": step, "counter": int(P._cache_enabled)}), file=out, flush=True
+        )
     fix = sys.modules.get("bnb_gc_fix")
     via = fix.status().via if fix is not None else None
-    print(json.dumps({"summary": {"rank": rank, "imported": fix is not None, "via": via}}), flush=True)
+    print(
+        json.dumps({"summary": {"rank": rank, "imported": fix is not None, "via": via}}), file=out, flush=True
+    )
+    out.close()
     dist.destroy_process_group()
 
 
