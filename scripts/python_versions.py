@@ -45,6 +45,8 @@ def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str
 
 
 def build_wheel(outdir: Path) -> Path:
+    if run([sys.executable, "-c", "import build"]).returncode != 0:
+        run([sys.executable, "-m", "pip", "install", "--quiet", "build"])
     result = run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(ROOT)])
     if result.returncode != 0:
         raise SystemExit(f"building the wheel failed:\n{result.stderr}")
