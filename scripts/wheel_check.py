@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         python = make_venv(tmp / "venv", wheel)
         workdir = tmp / "scenario"
         workdir.mkdir()
-        shutil.copy2(SCENARIO, workdir / SCENARIO.name)
+        for scenario in (SCENARIO, SCENARIO.with_name("report.py")):  # the script and what it imports
+            shutil.copy2(scenario, workdir / scenario.name)
         check_venv(python, workdir, args.steps, checks)
     except CannotRunError as error:
         print(f"wheel check: cannot run: {error}", file=sys.stderr)

@@ -17,9 +17,12 @@ imported. One JSON line per step (``counter``, ``cache_bytes``), then ``{"summar
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "scenarios"))
+import report
 
 
 def build(layers: int, hidden: int = 64) -> Any:
@@ -76,7 +79,6 @@ def main() -> None:
         import bnb_gc_fix  # noqa: F401
 
     import torch
-    import torch.nn.utils.parametrize as P
     import transformers
 
     model, quantized = build(args.layers)
@@ -106,21 +108,11 @@ def main() -> None:
             optimizer.zero_grad()
         except RuntimeError as error:
             summary["error"] = str(error).splitlines()[0]
-            print(json.dumps(record | {"error": summary["error"]}), flush=True)
+            report.emit(record | {"error": summary["error"]})
             break
         record["loss"] = float(loss.item())
-        record["counter"] = int(P._cache_enabled)
-        record["cache_entries"] = len(P._cache)
-        record["cache_bytes"] = sum(t.numel() * t.element_size() for t in P._cache.values())
-        print(json.dumps(record), flush=True)
-
-    summary["bnb_gc_fix_imported"] = "bnb_gc_fix" in sys.modules
-    if "bnb_gc_fix" in sys.modules:
-        status = sys.modules["bnb_gc_fix"].status()
-        summary["active"] = status.active
-        summary["via"] = status.via
-        summary["reason"] = status.reason
-    print(json.dumps({"summary": summary}), flush=True)
+        report.emit(record | report.cache_state())
+    report.finish(summary)
 
 
 if __name__ == "__main__":

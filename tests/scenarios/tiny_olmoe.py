@@ -12,8 +12,9 @@ the runner can be tested with an unchanged script. The last line is a JSON summa
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
+
+import report
 
 
 def build(  # type: ignore[no-untyped-def]
@@ -88,7 +89,6 @@ def main() -> None:
         import bnb_gc_fix
 
     import torch
-    import torch.nn.utils.parametrize as P
 
     model, extra = build(layers=args.layers, weight_norm=args.weight_norm)
     if not args.no_checkpointing:
@@ -129,25 +129,15 @@ def main() -> None:
             record["loss"] = float(loss.item())
         except RuntimeError as error:
             summary["error"] = str(error).splitlines()[0]
-            print(json.dumps(record | {"error": summary["error"]}), flush=True)
+            report.emit(record | {"error": summary["error"]})
             break
-        record["counter"] = int(P._cache_enabled)
-        record["cache_entries"] = len(P._cache)
-        record["cache_bytes"] = sum(t.numel() * t.element_size() for t in P._cache.values())
+        record.update(report.cache_state())
         if extra is not None:
             weight = extra.weight.detach().clone()
             record["weight_norm_changed"] = previous is None or not torch.equal(weight, previous)
             previous = weight
-        print(json.dumps(record), flush=True)
-    import sys
-
-    summary["bnb_gc_fix_imported"] = "bnb_gc_fix" in sys.modules
-    if "bnb_gc_fix" in sys.modules:
-        status = sys.modules["bnb_gc_fix"].status()
-        summary["active"] = status.active
-        summary["via"] = status.via
-        summary["reason"] = status.reason
-    print(json.dumps({"summary": summary}), flush=True)
+        report.emit(record)
+    report.finish(summary)
 
 
 if __name__ == "__main__":
