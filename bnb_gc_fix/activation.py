@@ -210,10 +210,7 @@ def _pending_reason(bnb: str | None) -> str | None:
     """A truer sentence than "waiting" when what the patch waits for can never come."""
     if bnb is not None:
         if decide.before_parametrize(bnb):
-            return (
-                f"bitsandbytes {bnb} has no {decide.PARAMETRIZE} (added in {decide.FIRST_AFFECTED}), "
-                "so it cannot leak this way; nothing to patch"
-            )
+            return f"{decide.no_parametrize(bnb)}; nothing to patch"
         return None
     if "bitsandbytes" in sys.modules:
         return None

@@ -54,11 +54,10 @@ def _imports() -> tuple[Any, Any]:
     try:
         from bitsandbytes.nn import parametrize
     except ImportError as error:
+        from bnb_gc_fix.decide import no_parametrize
+
         version = getattr(bitsandbytes, "__version__", "?")
-        raise CannotRunError(
-            f"bitsandbytes {version} has no bitsandbytes.nn.parametrize (added in 0.48.0), so it cannot "
-            "leak this way; there is nothing to check"
-        ) from error
+        raise CannotRunError(f"{no_parametrize(version)}; there is nothing to check") from error
     return torch, parametrize
 
 

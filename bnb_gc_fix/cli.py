@@ -59,10 +59,7 @@ def _facts() -> dict[str, Any]:
             if facts["bitsandbytes"] is None:
                 facts["verdict"] = f"bitsandbytes is not installed ({error}); nothing to patch"
             else:
-                facts["verdict"] = (
-                    f"bitsandbytes {facts['bitsandbytes']} has no bitsandbytes.nn.parametrize "
-                    "(added in 0.48.0); nothing to patch"
-                )
+                facts["verdict"] = f"{decide.no_parametrize(facts['bitsandbytes'])}; nothing to patch"
     facts["in_affected_range"] = decide.in_affected_range(facts["bitsandbytes"])
     if parametrize is not None:
         verdict = decide.judge(parametrize, force=boot.mode() == boot.FORCE)

@@ -62,6 +62,13 @@ def before_parametrize(version: str) -> bool:
     return parsed is not None and Version(parsed.base_version) < FIRST_AFFECTED
 
 
+def no_parametrize(version: str) -> str:
+    """Why a bitsandbytes before 0.48.0 needs nothing: the sentence status, CLI and check share."""
+    return (
+        f"bitsandbytes {version} has no {PARAMETRIZE} (added in {FIRST_AFFECTED}), so it cannot leak this way"
+    )
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What the decision found for one imported ``bitsandbytes.nn.parametrize``."""
