@@ -177,6 +177,13 @@ def write_text(path: Path, text: str) -> None:
     print(f"wrote {_shown(path)}", file=sys.stderr)
 
 
+def write_results(output: Path, result: dict[str, Any], table: str) -> None:
+    """A benchmark's result: JSON at ``output``, its Markdown table beside it, the table printed."""
+    write_json(output, result)
+    write_text(output.with_suffix(".md"), table)
+    print(table)
+
+
 def _shown(path: Path) -> str:
     try:
         return str(path.resolve().relative_to(ROOT))

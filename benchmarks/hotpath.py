@@ -371,10 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["wall_s"] = time.perf_counter() - started
     folder = common.RESULTS / "tmp" if args.quick else common.RESULTS
     output: Path = args.output or folder / "hotpath.json"
-    common.write_json(output, result)
-    table = markdown(result)
-    common.write_text(output.with_suffix(".md"), table)
-    print(table)
+    common.write_results(output, result, markdown(result))
     return result
 
 

@@ -430,10 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
     folder = common.RESULTS / "tmp" if args.quick else common.RESULTS  # quick runs are not results
     output: Path = args.output or folder / f"memory-{kind}{'-quick' if args.quick else ''}.json"
-    common.write_json(output, result)
-    table = markdown(result)
-    common.write_text(output.with_suffix(".md"), table)
-    print(table)
+    common.write_results(output, result, markdown(result))
     return result
 
 

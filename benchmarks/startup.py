@@ -148,28 +148,21 @@ def measure(with_package: Path, without: Path, pairs: int, warmup: int) -> dict[
 SITE_PACKAGES = Path("lib") / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
 
 
-def _variant(source: Path, target: Path, pth: str | None, drop_future: bool) -> Path:
-    """A copy of the venv with the package, with the start-up hook changed (measurement only)."""
+def _variant(source: Path, target: Path, pth: str) -> Path:
+    """A copy of the venv with the package, with another ``.pth`` line (measurement only)."""
     shutil.copytree(source, target, symlinks=True)
     site_packages = target / SITE_PACKAGES
-    if pth is not None:
-        (site_packages / "bnb_gc_fix.pth").write_text(pth + "\n")
-    if drop_future:  # fine on Python >= 3.10 only: the annotations are then evaluated at runtime
-        boot = site_packages / "_bnb_gc_fix_boot.py"
-        boot.write_text(boot.read_text().replace("from __future__ import annotations\n", "", 1))
+    (site_packages / "bnb_gc_fix.pth").write_text(pth + "\n")
     for cached in (site_packages / "__pycache__").glob("_bnb_gc_fix_boot.*"):
         cached.unlink()
     return target / "bin" / "python"
 
 
 #: Candidate changes to the start-up hook, measured with --variants (the package is not changed).
-VARIANTS: dict[str, tuple[str | None, bool]] = {
+VARIANTS: dict[str, str] = {
     "a plain `import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()` .pth line (not silent "
-    "when the boot module is missing)": (
-        "import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()",
-        False,
-    ),
-    "the .pth file alone (`import sys`), no boot module: the floor of any .pth hook": ("import sys", False),
+    "when the boot module is missing)": "import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()",
+    "the .pth file alone (`import sys`), no boot module: the floor of any .pth hook": "import sys",
 }
 
 
@@ -206,8 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"timing {args.pairs} pairs of `python -c pass`", file=sys.stderr)
         measured = measure(with_package, without, args.pairs, args.warmup)
         variants: dict[str, Any] = {}
-        for index, (name, (pth, drop_future)) in enumerate(VARIANTS.items() if args.variants else ()):
-            python = _variant(workdir / "with", workdir / f"variant-{index}", pth, drop_future)
+        for index, (name, pth) in enumerate(VARIANTS.items() if args.variants else ()):
+            python = _variant(workdir / "with", workdir / f"variant-{index}", pth)
             print(f"timing {args.pairs} pairs: {name}", file=sys.stderr)
             figures = measure(python, without, args.pairs, args.warmup)
             variants[name] = {kind: figures[kind] for kind in ("wall", "cpu")}
