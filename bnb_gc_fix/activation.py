@@ -1,8 +1,10 @@
-"""Turning the fix on and off: the environment switch, the lazy post-import hook, and status.
+"""Turning the fix on and off: the environment switch, the lazy post-import hooks, and status.
 
-``activate()`` patches ``bitsandbytes.nn.parametrize`` now if it is imported, or registers a
-wrapt post-import hook that patches it when it is. Where the installed bitsandbytes is already
-right (upstream's fix, found by a probe of its code), it steps aside and says why.
+``activate()`` patches each known library's module (:data:`bnb_gc_fix.targets.TARGETS`:
+``bitsandbytes.nn.parametrize``, axolotl's ``moe_quant``) now if it is imported, or when its
+import completes (a wrapt post-import hook; :mod:`bnb_gc_fix.inflight` for a module that is being
+imported right now). Where the installed code is already right (upstream's fix, found by a probe
+of it), it steps aside and says why.
 """
 
 from __future__ import annotations
@@ -16,10 +18,27 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide
+from bnb_gc_fix import decide, inflight
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
+from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
 
 logger = logging.getLogger("bnb_gc_fix")
+
+
+@dataclass(frozen=True)
+class LibraryStatus:
+    """Where the fix stands for one patched library (see :mod:`bnb_gc_fix.targets`)."""
+
+    name: str
+    """The library: "bitsandbytes", "axolotl"."""
+    version: str | None
+    """Its ``__version__``, or None if it is not imported."""
+    affected: bool | None
+    """Its code registers the leaking plain pair (None: not known yet)."""
+    patched: bool
+    """Its functions are wrapped by this package right now."""
+    reason: str
+    """A human sentence: why it is, or is not, patched."""
 
 
 @dataclass(frozen=True)
@@ -47,20 +66,41 @@ class Status:
     via: str | None = None
     """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
     process when the package was first imported (it would have turned the fix on anyway), "import"
-    when nothing else was, "activate()" after a deactivate(); None while the fix is off."""
+    when nothing else was, "activate()" after a deactivate(); None while the fix is off (nothing
+    patched, and bitsandbytes not waiting to be)."""
+    libraries: tuple[LibraryStatus, ...] = ()
+    """Every known library (bitsandbytes, axolotl, ...) that is imported or was decided on, with
+    its version, whether it is affected, and whether it is patched or why not. The fields above
+    describe bitsandbytes alone."""
+
+
+class _Library:
+    """The state of one target library in this process."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.patched = False
+        self.pending = False
+        self.hook_registered = False
+        self.reason = "not activated"
+        self.verdict: decide.Verdict | None = None
+        self.warned_skip = False
 
 
 class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.active = False
-        self.pending = False
-        self.hook_registered = False
-        self.reason = "not activated"
-        self.verdict: decide.Verdict | None = None
+        self.libraries = {target.module: _Library(target) for target in TARGETS}
         self.via: str | None = None
         self.warned_switch = False
-        self.warned_skip = False
+
+    @property
+    def bitsandbytes(self) -> _Library:
+        return self.libraries[BITSANDBYTES.module]
+
+    def on(self) -> bool:
+        """Something is patched, or bitsandbytes waits to be (what ``via`` is reported for)."""
+        return self.bitsandbytes.pending or any(lib.patched for lib in self.libraries.values())
 
 
 _state = _State()
@@ -80,51 +120,98 @@ def _read_switch() -> str:
     return mode
 
 
-def _apply(parametrize: ModuleType, mode: str) -> None:
-    """Decide on an imported bitsandbytes.nn.parametrize and patch it if needed (under the lock)."""
+def _skip(library: _Library, reason: str) -> None:
+    """Nothing patched for an unexpected reason: say why, with one warning per library."""
+    library.patched = False
+    library.reason = reason
+    if not library.warned_skip:
+        library.warned_skip = True
+        warnings.warn(f"bnb-gc-fix is not active: {reason}.", PatchSkippedWarning, stacklevel=3)
+
+
+def _apply(library: _Library, module: ModuleType, mode: str) -> None:
+    """Decide on an imported target module and patch it if needed (under the lock)."""
     from bnb_gc_fix import patch
 
-    _state.pending = False
-    verdict = decide.judge(parametrize, force=mode == boot.FORCE)
-    _state.verdict = verdict
+    library.pending = False
+    verdict = decide.judge(module, force=mode == boot.FORCE, target=library.target)
+    library.verdict = verdict
     if verdict.unexpected:
-        _state.active = False
-        _state.reason = verdict.decision
-        if not _state.warned_skip:
-            _state.warned_skip = True
-            warnings.warn(f"bnb-gc-fix is not active: {verdict.decision}.", PatchSkippedWarning, stacklevel=2)
+        _skip(library, verdict.decision)
         return
     if not verdict.patch:
-        _state.active = False
-        _state.reason = verdict.decision
+        library.patched = False
+        library.reason = verdict.decision
         log = logger.info if mode == boot.ON else logger.debug
         log("bnb_gc_fix: nothing needed patching: %s", verdict.reason)
         return
-    patch.apply(parametrize)
-    _state.active = True
-    _state.reason = verdict.decision
+    patch.apply(module, library.target, replace_always_called=verdict.affected is False)
+    library.patched = True
+    library.reason = verdict.decision
     logger.info("bnb_gc_fix: %s", verdict.decision)
 
 
-def _on_parametrize_import(parametrize: ModuleType) -> None:
-    """wrapt post-import hook: must never raise, or the user's import fails."""
+def _arm(library: _Library, mode: str) -> None:
+    """Patch the library's module now if it is imported, else when its import completes."""
+    name = library.target.module
+    module = sys.modules.get(name)
+    if module is not None and not inflight.initializing(module):
+        _apply(library, module, mode)
+        return
+    library.pending = True
+    library.reason = f"waiting for {name} to be imported; it will be checked and patched then"
+    if module is not None:
+        # Half-initialised (the start-up hook fired on an import of bitsandbytes inside it): its
+        # functions are not all defined yet. Decide once its code has run.
+        if inflight.when_complete(module, lambda: _on_complete(library)):
+            logger.debug("bnb_gc_fix: %s is being imported; deciding once its code has run", name)
+        elif not inflight.initializing(module):
+            _apply(library, module, mode)  # it completed meanwhile
+        else:
+            library.pending = False
+            _skip(
+                library,
+                f"{name} was being imported when the fix was activated and that import cannot be "
+                "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
+            )
+        return
+    if not library.hook_registered:
+        import wrapt
+
+        library.hook_registered = True
+        wrapt.register_post_import_hook(_on_import, name)
+
+
+def _on_import(module: ModuleType) -> None:
+    """wrapt post-import hook, called once the module's code has run: must never raise."""
+    library = _state.libraries.get(getattr(module, "__name__", ""))
+    if library is not None:
+        _on_complete(library)
+
+
+def _on_complete(library: _Library) -> None:
+    """A target module's code has run (or raised): decide and patch. Never raises."""
     try:
         with _state.lock:
-            if not _state.pending:  # deactivate() cancelled it
+            if not library.pending:  # deactivate() cancelled it
                 return
             mode = boot.mode()
             if mode == boot.OFF:  # switched off since activation: the kill switch still holds
-                _state.pending = False
-                _state.reason = _disabled_reason()
+                library.pending = False
+                library.reason = _disabled_reason()
                 return
-            _apply(parametrize, mode)
+            module = sys.modules.get(library.target.module)
+            if module is None:  # its import failed: wait for the next one
+                _arm(library, mode)
+            else:
+                _apply(library, module, mode)
     except Exception as error:
-        _state.reason = f"patching failed: {type(error).__name__}: {error}; nothing patched"
-        warnings.warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning, stacklevel=2)
+        library.pending = False
+        _skip(library, f"patching failed: {type(error).__name__}: {error}; nothing patched")
 
 
 def activate(*, via: str = "activate()") -> Status:
-    """Turn the fix on: patch bitsandbytes now if imported, else when it is imported.
+    """Turn the fix on: patch each known library now if imported, else when it is imported.
 
     Idempotent. With ``BNB_GC_FIX`` set to 0/off/false/no nothing is patched and the status
     says so. Never raises: a problem becomes a warning and ``status().reason``.
@@ -133,47 +220,39 @@ def activate(*, via: str = "activate()") -> Status:
         with _state.lock:
             mode = _read_switch()
             if mode == boot.OFF:
-                if not _state.active:  # an earlier patch stays until deactivate()
-                    _state.pending = False
-                    _state.reason = _disabled_reason()
+                for library in _state.libraries.values():
+                    if not library.patched:  # an earlier patch stays until deactivate()
+                        library.pending = False
+                        library.reason = _disabled_reason()
                 return status()
-            if _state.via is None or not (_state.active or _state.pending):
+            if _state.via is None or not _state.on():
                 _state.via = via
-            if _state.active:
-                return status()
-            parametrize = sys.modules.get(decide.PARAMETRIZE)
-            if parametrize is not None:
-                _apply(parametrize, mode)
-            else:
-                _state.pending = True
-                _state.reason = (
-                    f"waiting for {decide.PARAMETRIZE} to be imported; it will be checked and patched then"
-                )
-                if not _state.hook_registered:
-                    import wrapt
-
-                    _state.hook_registered = True
-                    wrapt.register_post_import_hook(_on_parametrize_import, decide.PARAMETRIZE)
+            for library in _state.libraries.values():
+                if not library.patched:
+                    _arm(library, mode)
     except Exception as error:
-        _state.reason = f"activation failed: {type(error).__name__}: {error}; nothing patched"
-        warnings.warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning, stacklevel=2)
+        _state.bitsandbytes.reason = f"activation failed: {type(error).__name__}: {error}; nothing patched"
+        warnings.warn(
+            f"bnb-gc-fix is not active: {_state.bitsandbytes.reason}.", PatchSkippedWarning, stacklevel=2
+        )
     return status()
 
 
 def deactivate() -> None:
-    """Put bitsandbytes' own functions back and cancel a pending lazy patch.
+    """Put every patched library's own functions back and cancel pending patches.
 
     Gates already installed on modules keep working; ``repair()`` and ``reset()`` still work.
     """
     from bnb_gc_fix import patch
 
     with _state.lock:
-        parametrize = sys.modules.get(decide.PARAMETRIZE)
-        if parametrize is not None:
-            patch.remove(parametrize)
-        _state.active = False
-        _state.pending = False
-        _state.reason = "deactivated by deactivate()"
+        for library in _state.libraries.values():
+            module = sys.modules.get(library.target.module)
+            if module is not None:
+                patch.remove(module, library.target)
+            library.patched = False
+            library.pending = False
+            library.reason = "deactivated by deactivate()"
 
 
 def _env_value() -> str | None:
@@ -187,22 +266,34 @@ def _disabled_reason() -> str:
 
 def status() -> Status:
     """Where the fix stands in this process right now."""
-    verdict = _state.verdict
-    bnb = decide.bitsandbytes_version()
-    reason = _state.reason
-    if _state.pending:
-        reason = _pending_reason(bnb) or reason
+    bnb = _state.bitsandbytes
+    verdict = bnb.verdict
+    version = decide.bitsandbytes_version()
+    reason = bnb.reason
+    if bnb.pending:
+        reason = _pending_reason(version) or reason
     return Status(
-        active=_state.active,
+        active=bnb.patched,
         reason=reason,
-        bitsandbytes=bnb,
+        bitsandbytes=version,
         torch=decide.torch_version(),
-        pending=_state.pending,
+        pending=bnb.pending,
         affected=None if verdict is None else verdict.affected,
         probe=None if verdict is None else verdict.probe,
         mode=boot.mode(),
         switch=_env_value(),
-        via=_state.via if (_state.active or _state.pending) else None,
+        via=_state.via if _state.on() else None,
+        libraries=tuple(
+            LibraryStatus(
+                name=library.target.name,
+                version=library.target.version(),
+                affected=None if library.verdict is None else library.verdict.affected,
+                patched=library.patched,
+                reason=reason if library is bnb else library.reason,
+            )
+            for library in _state.libraries.values()
+            if library.verdict is not None or library.target.imported()
+        ),
     )
 
 

@@ -1,8 +1,9 @@
 """Deciding whether to act: versions read from imported modules, and a probe of the real code.
 
 Nothing here imports torch or bitsandbytes ahead of the user: versions come from modules that
-are already in ``sys.modules``, and the probe runs only on a ``bitsandbytes.nn.parametrize``
-that the user's program has imported.
+are already in ``sys.modules``, and the probe runs only on a target module (``bitsandbytes.nn.
+parametrize``, axolotl's ``moe_quant``; see :mod:`bnb_gc_fix.targets`) that the user's program
+has imported.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-FIRST_AFFECTED = Version("0.48.0")
-FIRST_FIXED = Version("0.50.0")
+from bnb_gc_fix.targets import BITSANDBYTES, Target
+
+FIRST_AFFECTED = Version(BITSANDBYTES.first_affected)
+FIRST_FIXED = Version(BITSANDBYTES.first_fixed)
 MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 
-PARAMETRIZE = "bitsandbytes.nn.parametrize"
+PARAMETRIZE = BITSANDBYTES.module
 
 
 def _version_of(name: str) -> str | None:
@@ -46,14 +49,19 @@ def _parse(version: str | None) -> Version | None:
         return None
 
 
-def in_affected_range(version: str | None) -> bool | None:
-    """Whether a bitsandbytes version string falls in 0.48.0 <= v < 0.50.0 (None: unknown)."""
+def version_in_range(target: Target, version: str | None) -> bool | None:
+    """Whether a version of ``target`` falls in its affected range (None: unknown)."""
     parsed = _parse(version)
     if parsed is None:
         return None
     # Compare release numbers so that 0.50.0.dev0 counts as 0.50 (its code decides anyway).
     release = Version(parsed.base_version)
-    return FIRST_AFFECTED <= release < FIRST_FIXED
+    return Version(target.first_affected) <= release < Version(target.first_fixed)
+
+
+def in_affected_range(version: str | None) -> bool | None:
+    """Whether a bitsandbytes version string falls in 0.48.0 <= v < 0.50.0 (None: unknown)."""
+    return version_in_range(BITSANDBYTES, version)
 
 
 def before_parametrize(version: str) -> bool:
@@ -71,7 +79,7 @@ def no_parametrize(version: str) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the decision found for one imported ``bitsandbytes.nn.parametrize``."""
+    """What the decision found for one imported target module."""
 
     patch: bool
     """Whether to wrap bitsandbytes' functions."""
@@ -92,74 +100,62 @@ class Verdict:
         return f"{self.reason}; {'nothing patched' if self.unexpected else 'nothing to patch'}"
 
 
-def _signature_problem(parametrize: ModuleType) -> str | None:
-    expected = {
-        "_register_parametrization_hooks": 2,
-        "_enable_parametrization_cache": 2,
-        "_disable_parametrization_cache": 3,
-    }
-    for name, arity in expected.items():
-        function = getattr(parametrize, name, None)
+def _signature_problem(target: Target, module: ModuleType) -> str | None:
+    for name, arity in target.signatures:
+        function = getattr(module, name, None)
         if function is None:
-            return f"bitsandbytes.nn.parametrize has no {name}()"
+            return f"{target.module} has no {name}()"
         if not callable(function):
-            return f"bitsandbytes.nn.parametrize.{name} is not callable"
+            return f"{target.module}.{name} is not callable"
         try:
             parameters = inspect.signature(function).parameters.values()
         except (TypeError, ValueError):
-            return f"the signature of bitsandbytes.nn.parametrize.{name}() cannot be read"
+            return f"the signature of {target.module}.{name}() cannot be read"
         positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         required = [p for p in positional if p.default is p.empty]
         if len(required) > arity or len(positional) < arity:
             names = ", ".join(p.name for p in positional)
             return (
-                f"bitsandbytes.nn.parametrize.{name}({names}) does not take the "
+                f"{target.module}.{name}({names}) does not take the "
                 f"{arity} positional arguments this fix expects"
             )
     return None
 
 
-def probe(parametrize: ModuleType) -> tuple[bool | None, str]:
-    """Register bitsandbytes' hooks on a throwaway module and look at what it did.
+def probe(module: ModuleType, target: Target = BITSANDBYTES) -> tuple[bool | None, str]:
+    """Call the target's own registering function on a throwaway module and look at what it did.
 
     Returns ``(affected, description)``: ``affected`` is True for the plain pair, False when
     the disable hook is always-called (upstream's fix), None when the result is unexpected.
+    Never raises: whatever goes wrong is the description of an unexpected result.
     """
-    import torch
-
-    register = parametrize._register_parametrization_hooks
-    register = getattr(register, "__wrapped__", register)  # judge bitsandbytes, not our wrapper
-    throwaway = torch.nn.Module()
+    register = getattr(module, target.register)
+    register = getattr(register, "__wrapped__", register)  # judge the library, not our wrapper
     try:
-        register(throwaway, "weight")
+        args = target.probe_args()
+        register(*args)
     except Exception as error:  # the probe must never break the user's import
         return None, f"registering hooks on a probe module raised {type(error).__name__}: {error}"
-    from bnb_gc_fix.gate import DISABLE_NAME, ENABLE_NAME
+    from bnb_gc_fix.gate import cache_hooks
 
-    enables = [
-        h for h in throwaway._forward_pre_hooks.values() if getattr(h, "__name__", None) == ENABLE_NAME
-    ]
-    disables = [
-        key
-        for key, hook in throwaway._forward_hooks.items()
-        if getattr(hook, "__name__", None) == DISABLE_NAME
-    ]
+    throwaway = args[0]
+    enables, disables, always_called = cache_hooks(throwaway)
     if len(enables) != 1 or len(disables) != 1:
         return None, (
             f"the probe module got {len(enables)} enable and {len(disables)} disable cache hooks "
             "instead of one of each"
         )
-    if disables[0] in throwaway._forward_hooks_always_called:
+    if always_called:
         return False, "disable hook registered with always_call=True (upstream fix)"
     return True, "plain forward hook pair (skipped when a forward raises)"
 
 
-def judge(parametrize: ModuleType, force: bool = False) -> Verdict:
-    """Decide what to do with an imported ``bitsandbytes.nn.parametrize``."""
-    bnb = bitsandbytes_version()
+def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES) -> Verdict:
+    """Decide what to do with an imported target module (``bitsandbytes.nn.parametrize`` by default)."""
+    version = target.version()
     torch_v = _parse(torch_version())
-    by_version = in_affected_range(bnb)
-    label = f"bitsandbytes {bnb}" if bnb else "this bitsandbytes"
+    by_version = version_in_range(target, version)
+    label = f"{target.name} {version}" if version else f"this {target.name}"
 
     if torch_v is not None and Version(torch_v.base_version) < MIN_TORCH:
         return Verdict(
@@ -169,16 +165,17 @@ def judge(parametrize: ModuleType, force: bool = False) -> Verdict:
             "not run",
             f"torch {torch_v} cannot run forward hooks with always_call=True (needs torch >= 2.1)",
         )
-    problem = _signature_problem(parametrize)
+    problem = _signature_problem(target, module)
     if problem is not None:
         return Verdict(False, True, None, "not run", problem)
-    affected, seen = probe(parametrize)
+    affected, seen = probe(module, target)
     if affected is None:
         return Verdict(False, True, None, seen, f"{label} does not look as expected: {seen}")
 
+    span = f"{target.first_affected} <= v < {target.first_fixed}"
     range_text = {
-        True: "is in the affected range 0.48.0 <= v < 0.50.0",
-        False: "is outside the affected range 0.48.0 <= v < 0.50.0",
+        True: f"is in the affected range {span}",
+        False: f"is outside the affected range {span}",
         None: "has an unreadable version",
     }[by_version]
     if affected:

@@ -181,18 +181,33 @@ def _named(hook: object, name: str) -> bool:
     return getattr(hook, "__name__", None) == name and not _is_ours(hook)
 
 
-def install(module: torch.nn.Module) -> bool:
+def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
+    """The module's cache pair hooks that are not ours, matched by function name.
+
+    Returns the keys of the enable pre-hooks, the keys of the disable forward hooks, and whether
+    there are disable hooks and every one of them is always-called (upstream's fix).
+    """
+    enables = [key for key, hook in module._forward_pre_hooks.items() if _named(hook, ENABLE_NAME)]
+    disables = [key for key, hook in module._forward_hooks.items() if _named(hook, DISABLE_NAME)]
+    always_called = bool(disables) and all(key in module._forward_hooks_always_called for key in disables)
+    return enables, disables, always_called
+
+
+def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
     """Replace every plain cache-gate pair on ``module`` with one gate.
 
-    Returns ``True`` when the module changed. A module without a plain enable hook is left
-    alone, so calling this twice changes nothing the second time.
+    Returns ``True`` when the module changed. A module without an enable hook is left alone, so
+    calling this twice changes nothing the second time. So is a module whose pairs are already
+    right (each disable hook always-called: bitsandbytes 0.50, axolotl 0.20), unless
+    ``replace_always_called`` (``BNB_GC_FIX=force``: the gate also heals a Ctrl-C).
     """
-    pre_hooks = module._forward_pre_hooks
-    enables = [key for key, hook in pre_hooks.items() if _named(hook, ENABLE_NAME)]
+    enables, disables, always_called = cache_hooks(module)
     if not enables:
         return False
+    if always_called and len(disables) == len(enables) and not replace_always_called:
+        return False
+    pre_hooks = module._forward_pre_hooks
     post_hooks = module._forward_hooks
-    disables = [key for key, hook in post_hooks.items() if _named(hook, DISABLE_NAME)]
     for key in enables:
         del pre_hooks[key]
         module._forward_pre_hooks_with_kwargs.pop(key, None)

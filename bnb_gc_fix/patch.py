@@ -1,73 +1,89 @@
-"""The patch: wrapt wrappers around two functions of ``bitsandbytes.nn.parametrize``.
+"""The patch: wrapt wrappers around a target library's functions (see :mod:`bnb_gc_fix.targets`).
 
-* ``_register_parametrization_hooks`` still runs (it also registers bitsandbytes' state-dict
-  hook); afterwards the plain cache pair it added is swapped for the module's one gate.
-* ``_disable_parametrization_cache`` can no longer drive the counter below zero when anything
+* The target's registering function (bitsandbytes' ``_register_parametrization_hooks``, axolotl's
+  ``replace_parameter_8bit``) still runs in full; afterwards the plain cache pair it added to its
+  module is swapped for the module's one gate.
+* The target's clamped disable function, if it names one (bitsandbytes'
+  ``_disable_parametrization_cache``), can no longer drive the counter below zero when anything
   calls it directly, and it still empties the cache at zero.
 
-Both are undone by :func:`remove`, which puts bitsandbytes' own functions back.
+Both are undone by :func:`remove`, which puts the library's own functions back.
 """
 
 from __future__ import annotations
 
 import logging
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import wrapt
 
 from bnb_gc_fix import gate
+from bnb_gc_fix.targets import BITSANDBYTES, Target
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    _WrapperFunction = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
 logger = logging.getLogger("bnb_gc_fix")
-
-REGISTER = "_register_parametrization_hooks"
-DISABLE = "_disable_parametrization_cache"
 
 
 class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """Marks our wrappers, so applying twice wraps once and removing unwraps only ours."""
 
 
-def _register_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
-    module = args[0] if args else kwargs.get("module")
-    try:
-        if module is not None:
-            gate.install(module)
-    except Exception:  # never break the user's quantization call
-        logger.exception("bnb_gc_fix: could not install the cache gate on %s", type(module).__name__)
-    return result
+def _register_wrapper(replace_always_called: bool) -> _WrapperFunction:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        result = wrapped(*args, **kwargs)
+        module = args[0] if args else kwargs.get("module")
+        try:
+            if module is not None:
+                gate.install(module, replace_always_called=replace_always_called)
+        except Exception:  # never break the user's quantization call
+            logger.exception("bnb_gc_fix: could not install the cache gate on %s", type(module).__name__)
+        return result
+
+    return wrapper
 
 
 def _disable_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return gate.clamped_disable(wrapped, args, kwargs)
 
 
-_WRAPPERS = {REGISTER: _register_wrapper, DISABLE: _disable_wrapper}
+def _wrappers(target: Target, replace_always_called: bool = False) -> dict[str, _WrapperFunction]:
+    wrappers = {target.register: _register_wrapper(replace_always_called)}
+    if target.clamp is not None:
+        wrappers[target.clamp] = _disable_wrapper
+    return wrappers
 
 
-def is_applied(parametrize: ModuleType) -> bool:
-    """Whether our wrappers are on ``parametrize`` right now."""
-    return all(isinstance(getattr(parametrize, name, None), _Wrapper) for name in _WRAPPERS)
+def is_applied(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
+    """Whether our wrappers are on the target's module right now."""
+    return all(isinstance(getattr(module, name, None), _Wrapper) for name in _wrappers(target))
 
 
-def apply(parametrize: ModuleType) -> bool:
-    """Wrap both functions; returns False when they were already wrapped (idempotent)."""
-    if is_applied(parametrize):
+def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> bool:
+    """Wrap the target's functions; returns False when they were already wrapped (idempotent).
+
+    ``replace_always_called`` (``BNB_GC_FIX=force`` on a fixed release): the gate also replaces
+    pairs whose disable hook is already always-called.
+    """
+    if is_applied(module, target):
         return False
-    for name, wrapper in _WRAPPERS.items():
-        current = getattr(parametrize, name)
+    for name, wrapper in _wrappers(target, replace_always_called).items():
+        current = getattr(module, name)
         if not isinstance(current, _Wrapper):
-            setattr(parametrize, name, _Wrapper(current, wrapper))
+            setattr(module, name, _Wrapper(current, wrapper))
     return True
 
 
-def remove(parametrize: ModuleType) -> bool:
-    """Put bitsandbytes' own functions back; returns False when nothing was wrapped."""
+def remove(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
+    """Put the library's own functions back; returns False when nothing was wrapped."""
     removed = False
-    for name in _WRAPPERS:
-        current = getattr(parametrize, name, None)
+    for name in _wrappers(target):
+        current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
-            setattr(parametrize, name, current.__wrapped__)
+            setattr(module, name, current.__wrapped__)
             removed = True
     return removed

@@ -3,6 +3,7 @@
 Run as a script in a fresh interpreter by the tests, with the axolotl wheel first on ``PYTHONPATH``:
 
     python tests/scenarios/axolotl_moe8bit.py --steps 4 [--layers 3] [--import-fix] [--no-checkpointing]
+        [--bitsandbytes-first] [--log]
 
 Each layer has a trainable router and an experts module with two 2-D expert weights that axolotl's
 ``axolotl.monkeypatch.moe_quant.replace_parameter_8bit`` quantizes to int8 (bitsandbytes' CPU int8
@@ -15,6 +16,7 @@ so the start-up hook is tested with an unchanged script. The last line is a JSON
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import report
@@ -75,12 +77,27 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--no-checkpointing", action="store_true")
     parser.add_argument("--import-fix", action="store_true")
+    parser.add_argument(
+        "--bitsandbytes-first",
+        action="store_true",
+        help="import bitsandbytes before axolotl (default: moe_quant first, which imports bitsandbytes "
+        "itself, so the start-up hook fires while moe_quant is half-initialised)",
+    )
+    parser.add_argument("--log", action="store_true", help="print bnb_gc_fix's log lines (DEBUG) to stdout")
     args = parser.parse_args()
 
+    if args.log:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("LOG %(message)s"))
+        logging.getLogger("bnb_gc_fix").addHandler(handler)
+        logging.getLogger("bnb_gc_fix").setLevel(logging.DEBUG)
     if args.import_fix:
         import bnb_gc_fix  # noqa: F401
-
+    if args.bitsandbytes_first:
+        import bitsandbytes
+    bitsandbytes_before = "bitsandbytes" in sys.modules
     import axolotl
+    import axolotl.monkeypatch.moe_quant
     import bitsandbytes
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -101,6 +118,7 @@ def main() -> None:
         "axolotl": axolotl.__version__,
         "bitsandbytes": bitsandbytes.__version__,
         "hooks": hook_counts(model),
+        "bitsandbytes_before_moe_quant": bitsandbytes_before,
     }
     fix = sys.modules.get("bnb_gc_fix")
     if fix is not None:
