@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from bnb_gc_fix._version import __version__
-from bnb_gc_fix.activation import Status, activate, deactivate, status
+from bnb_gc_fix.activation import LibraryStatus, Status, activate, deactivate, status
 from bnb_gc_fix.errors import (
     BnbGcFixWarning,
     CacheLeakError,
@@ -29,6 +29,7 @@ __all__ = [
     "BnbGcFixWarning",
     "CacheLeakError",
     "CacheLeakWarning",
+    "LibraryStatus",
     "PatchSkippedWarning",
     "Status",
     "SwitchValueWarning",
@@ -48,9 +49,11 @@ def repair(model: torch.nn.Module) -> int:
     """Replace every plain cache-gate pair in ``model`` with one gate per module.
 
     For models quantized before the fix was active (or while it was switched off). Recognises
-    bitsandbytes' pair and look-alike copies in other libraries. Returns how many modules it
-    fixed; a second call returns 0. It does not release a counter that is already stuck: call
-    :func:`reset` for that.
+    bitsandbytes' pair and look-alike copies in other libraries (axolotl's 8-bit MoE experts).
+    Returns how many modules it had to fix; a second call returns 0. A module whose pair is
+    already right (its disable hook always-called: bitsandbytes 0.50, axolotl 0.20) is left
+    alone and not counted, so 0 on such a model means there was nothing to fix. It does not
+    release a counter that is already stuck: call :func:`reset` for that.
     """
     from bnb_gc_fix import gate
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import platform
@@ -14,6 +15,7 @@ from typing import Any
 import _bnb_gc_fix_boot as boot
 from bnb_gc_fix import __version__, decide
 from bnb_gc_fix.activation import status as fix_status
+from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
 
 
 def _distribution_version(name: str) -> str | None:
@@ -61,6 +63,8 @@ def _facts() -> dict[str, Any]:
             else:
                 facts["verdict"] = f"{decide.no_parametrize(facts['bitsandbytes'])}; nothing to patch"
     facts["in_affected_range"] = decide.in_affected_range(facts["bitsandbytes"])
+    if facts["torch"] is not None:
+        _import_look_alikes()
     if parametrize is not None:
         verdict = decide.judge(parametrize, force=boot.mode() == boot.FORCE)
         facts["probe"] = verdict.probe
@@ -72,8 +76,23 @@ def _facts() -> dict[str, Any]:
         reason=current.reason,
         via=current.via,
         switch=current.switch,
+        libraries=[dataclasses.asdict(library) for library in current.libraries],
     )
     return facts
+
+
+def _import_look_alikes() -> None:
+    """Import the patched module of every installed look-alike library, so the fix decides on it."""
+    from importlib.util import find_spec
+
+    for target in TARGETS:
+        if target is BITSANDBYTES:
+            continue
+        try:
+            if find_spec(target.name) is not None:
+                importlib.import_module(target.module)
+        except Exception:  # a library that cannot be imported here is reported as not imported
+            continue
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -99,6 +118,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  start-up hook: {'installed' if facts['startup_hook'] else 'not installed'}")
     switch = "unset" if facts["switch"] is None else facts["switch"]
     print(f"  {boot.VARIABLE}:    {switch} (mode {facts['mode']})")
+    print("libraries:")
+    for library in facts["libraries"]:
+        affected = {True: "yes", False: "no", None: "not known"}[library["affected"]]
+        print(
+            f"  {library['name']:<14} {show(library['version'])}: affected {affected}, "
+            f"{'patched' if library['patched'] else 'not patched'}"
+        )
+        print(f"    why:         {library['reason']}")
+    if not facts["libraries"]:
+        print("  none imported")
     return 0
 
 
