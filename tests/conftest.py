@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -98,6 +99,31 @@ def tiny_olmoe(*flags: str, switch: str | None = None, **kwargs: Any) -> Run:
     result = run_python([str(TINY_OLMOE), *flags], switch=switch, **kwargs)
     assert result.returncode == 0, f"tiny_olmoe failed:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def cache_root() -> Path:
+    """Where test installs live, outside the work tree: $BNB_GC_FIX_TEST_CACHE, else
+    ~/.cache/bnb-gc-fix-tests."""
+    return Path(os.environ.get("BNB_GC_FIX_TEST_CACHE", Path.home() / ".cache" / "bnb-gc-fix-tests"))
+
+
+def pip_target(spec: str) -> Path:
+    """``pip install --no-deps --target`` one pinned requirement (``name==version``) into the test cache.
+
+    Returns the folder, to put first on ``PYTHONPATH``. Installed once; a folder left half-made by an
+    interrupted install is made again (its ``.complete`` marker is written last).
+    """
+    target = cache_root() / spec
+    marker = target / ".complete"
+    if not marker.exists():
+        if target.exists():
+            shutil.rmtree(target)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), spec],
+            check=True,
+        )
+        marker.write_text(spec + "\n")
+    return target
 
 
 # Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.

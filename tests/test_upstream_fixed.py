@@ -4,38 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, environment, run_python, tiny_olmoe
+from conftest import SCENARIOS, environment, pip_target, run_python, tiny_olmoe
 
 VERSION = "0.50.2"
 
 
 @pytest.fixture(scope="session")
 def bnb_050() -> Path:
-    """bitsandbytes 0.50.2 installed with --no-deps into a cache folder, shadowing 0.49.2 via PYTHONPATH."""
-    root = Path(os.environ.get("BNB_GC_FIX_TEST_CACHE", Path.home() / ".cache" / "bnb-gc-fix-tests"))
-    target = root / f"bitsandbytes-{VERSION}"
-    if not (target / "bitsandbytes" / "__init__.py").exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--target",
-                str(target),
-                f"bitsandbytes=={VERSION}",
-            ],
-            check=True,
-        )
-    return target
+    """bitsandbytes 0.50.2 installed with --no-deps into the test cache, shadowing 0.49.2 via PYTHONPATH."""
+    return pip_target(f"bitsandbytes=={VERSION}")
 
 
 def _env(target: Path, switch: str | None = None) -> dict[str, str]:

@@ -62,9 +62,11 @@ def build(layers: int = 3, hidden: int = 32, experts: int = 4):  # type: ignore[
 
 
 def hook_counts(model) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """Forward pre-hooks and forward hooks on the first experts module, and how many are always-called."""
+    """The first experts module's forward pre-hooks (their names: ``enter`` is the gate's) and forward
+    hooks, and how many of those are always-called."""
     experts = model[0].experts
     return {
+        "pre_hook_names": [getattr(h, "__name__", "?") for h in experts._forward_pre_hooks.values()],
         "pre_hooks": len(experts._forward_pre_hooks),
         "hooks": len(experts._forward_hooks),
         "always_called": len(experts._forward_hooks_always_called),
