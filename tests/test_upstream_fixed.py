@@ -91,3 +91,26 @@ def test_force_status_reason_says_why(bnb_050: Path) -> None:
     )
     assert facts["active"] is True and facts["mode"] == "force"
     assert "BNB_GC_FIX=force" in facts["reason"]
+
+
+REPAIR = f"""
+import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+import quantized, bnb_gc_fix
+from bnb_gc_fix import gate
+module = quantized.make(params=2)
+count = lambda: (len(module._forward_pre_hooks), len(module._forward_hooks_always_called))
+pairs = count()
+fixed = bnb_gc_fix.repair(module)
+untouched = (*count(), gate.gate_of(module) is None)
+forced = gate.install(module, replace_always_called=True)
+print(json.dumps([pairs, fixed, untouched, forced, gate.gate_of(module) is not None]))
+"""
+
+
+def test_repair_leaves_upstream_always_called_pairs_alone(bnb_050: Path) -> None:
+    result = run_python(["-c", REPAIR], env=_env(bnb_050))
+    assert result.returncode == 0, result.stderr
+    pairs, fixed, untouched, forced, gated = json.loads(result.stdout)
+    assert pairs == [2, 2]  # upstream's pair per parameter, its disable hook always-called
+    assert fixed == 0 and untouched == [2, 2, True]  # already right: not replaced, not counted
+    assert forced is True and gated  # what BNB_GC_FIX=force asks for: replaced by the gate
