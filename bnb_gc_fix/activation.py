@@ -228,8 +228,13 @@ def activate(*, via: str = "activate()") -> Status:
             if _state.via is None or not _state.on():
                 _state.via = via
             for library in _state.libraries.values():
-                if not library.patched:
+                if library.patched:
+                    continue
+                try:
                     _arm(library, mode)
+                except Exception as error:  # one library's failure leaves the others armed
+                    library.pending = False
+                    _skip(library, f"activation failed: {type(error).__name__}: {error}; nothing patched")
     except Exception as error:
         _state.bitsandbytes.reason = f"activation failed: {type(error).__name__}: {error}; nothing patched"
         warnings.warn(

@@ -270,3 +270,36 @@ def test_repair_leaves_a_fixed_axolotl_pair_alone(axolotl: str) -> None:
     facts = _snippet(REPAIR, axolotl=axolotl, switch="0")
     assert facts["fixed"] == 0 and facts["before"] == facts["after"]
     assert facts["counters"] == [0, 0, 0]
+
+
+def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> None:
+    # The start-up hook fires on moe_quant's `import bitsandbytes`; a later line of moe_quant then
+    # fails (a dependency that cannot be imported). The fix waits for the next, complete import.
+    facts = _snippet(
+        """
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "accelerate":
+                    raise ImportError("accelerate blocked for this test")
+        block = Block()
+        sys.meta_path.insert(0, block)
+        try:
+            import axolotl.monkeypatch.moe_quant
+        except ImportError as error:
+            failed = str(error)
+        sys.meta_path.remove(block)
+        import bnb_gc_fix
+        waiting = [lib.reason for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl"]
+        from axolotl.monkeypatch import moe_quant
+        import axolotl_moe8bit
+        model = axolotl_moe8bit.build(layers=1)
+        patched = [lib.patched for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl"]
+        print(json.dumps(dict(failed=failed, waiting=waiting, patched=patched,
+            hooks=axolotl_moe8bit.hook_counts(model)["pre_hook_names"])))
+        """
+    )
+    assert "accelerate blocked" in facts["failed"]
+    assert facts["waiting"] == [
+        "waiting for axolotl.monkeypatch.moe_quant to be imported; it will be checked and patched then"
+    ]
+    assert facts["patched"] == [True] and facts["hooks"] == ["enter"]
