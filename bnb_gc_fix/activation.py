@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide
+from bnb_gc_fix import decide, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
 
 logger = logging.getLogger("bnb_gc_fix")
@@ -48,6 +48,9 @@ class Status:
     """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
     process when the package was first imported (it would have turned the fix on anyway), "import"
     when nothing else was, "activate()" after a deactivate(); None while the fix is off."""
+    cell_end_release: bool = False
+    """In IPython/Jupyter: a cell that ends with an exception and leaves the cache switched on gets
+    it released (``bnb_gc_fix.notebook``); installed with activation, on every bitsandbytes."""
 
 
 class _State:
@@ -139,6 +142,7 @@ def activate(*, via: str = "activate()") -> Status:
                 return status()
             if _state.via is None or not (_state.active or _state.pending):
                 _state.via = via
+            notebook.install()
             if _state.active:
                 return status()
             parametrize = sys.modules.get(decide.PARAMETRIZE)
@@ -174,6 +178,7 @@ def deactivate() -> None:
         _state.active = False
         _state.pending = False
         _state.reason = "deactivated by deactivate()"
+        notebook.remove()
 
 
 def _env_value() -> str | None:
@@ -203,6 +208,7 @@ def status() -> Status:
         mode=boot.mode(),
         switch=_env_value(),
         via=_state.via if (_state.active or _state.pending) else None,
+        cell_end_release=notebook.installed(),
     )
 
 
