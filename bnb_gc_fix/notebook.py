@@ -11,7 +11,9 @@ the running IPython shell:
   stderr (the cell's output) saying what was released and why;
 * a cell that ended without an exception and left the counter above zero is left alone (the
   cache may be held across cells on purpose, with ``P.cached().__enter__()``); one line says so
-  and points at :func:`bnb_gc_fix.reset`, once per counter value.
+  and points at :func:`bnb_gc_fix.reset`, once per counter value;
+* a counter left below zero (a hold given back twice: a ``P.cached()`` held by hand that was
+  released here and exited later) is put back to zero, since torch treats it as switched on.
 
 It costs nothing on the forward path, and nothing at all outside IPython: the shell is reached
 through ``sys.modules``, so this package never imports IPython.
@@ -27,7 +29,9 @@ logger = logging.getLogger("bnb_gc_fix")
 
 EVENT = "post_run_cell"
 _PARAMETRIZE = "torch.nn.utils.parametrize"
-_CAUSE = "a forward left by an exception (the stop button's KeyboardInterrupt) skips the hook that switches it off"
+_CAUSE = (
+    "a forward left by an exception (the stop button's KeyboardInterrupt) skips the hook that switches it off"
+)
 
 
 class _Registration:
@@ -113,6 +117,16 @@ def _check(result: Any) -> None:
     from bnb_gc_fix import gate
 
     count = gate.counter()
+    if count < 0:
+        # A hold given back twice: a `P.cached()` held by hand and released by us (or by reset())
+        # was exited or collected later. torch reads any non-zero counter as "on" and never empties
+        # the cache again, so put it back to zero.
+        gate.reset()
+        _say(
+            f"bnb_gc_fix: torch's parametrization cache counter was {count} (a hold given back twice, "
+            "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
+            logging.WARNING,
+        )
     if count <= 0:
         _registration.noted = None
         return
@@ -121,9 +135,9 @@ def _check(result: Any) -> None:
         if count != _registration.noted:
             _registration.noted = count
             _say(
-                f"bnb_gc_fix: torch's parametrization cache is still switched on after this cell (counter "
-                f"{count}, {gate.cached_bytes()} bytes cached); if that is not on purpose, call "
-                "bnb_gc_fix.reset().",
+                f"bnb_gc_fix: torch's parametrization cache is still on after this cell (counter {count}, "
+                f"{gate.cached_bytes()} bytes cached); bnb_gc_fix.reset() releases it if that is not "
+                "on purpose.",
                 logging.INFO,
             )
         return
@@ -131,7 +145,7 @@ def _check(result: Any) -> None:
     released = gate.reset()
     _registration.noted = None
     _say(
-        f"bnb_gc_fix: the cell ended with {type(error).__name__} and left torch's parametrization cache switched on "
-        f"(counter {released}, {cached} bytes cached); released it: {_CAUSE}.",
+        f"bnb_gc_fix: released torch's parametrization cache (counter {released}, {cached} bytes cached), "
+        f"left switched on by this cell's {type(error).__name__}: {_CAUSE}.",
         logging.WARNING,
     )

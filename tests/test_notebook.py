@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import environment
+from conftest import environment, run_code
 
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
@@ -163,6 +163,7 @@ def state():
     print("STATE " + json.dumps([int(P._cache_enabled), cached]))
 
 
+holds = []
 torch.manual_seed(0)
 A, B = Slow(), Slow()
 replace_parameter_4bit(A, "weight", quant_type="nf4")
@@ -184,8 +185,8 @@ A(x)
 
 STUCK_AFTER_ERROR = """
 A.seconds = 0.0
-hold = P.cached()  # kept: a dropped generator would switch the cache off when collected
-hold.__enter__()  # switched on, then an ordinary exception before anything switches it off
+holds.append(P.cached())  # kept: a dropped generator would switch the cache off when collected
+holds[-1].__enter__()  # switched on, then an ordinary exception before anything switches it off
 B(x)
 raise ValueError("an ordinary error in the cell")
 """
@@ -209,6 +210,14 @@ class Story:
     held: Cell | None = None
     after_held: list[int] | None = None
     status_after_held: dict[str, Any] | None = None
+    # After deactivate() (package on) or an explicit `import bnb_gc_fix` (BNB_GC_FIX=0): is the
+    # release installed, and what does a failing cell leave?
+    release_after: bool | None = None
+    late_error_cell: Cell | None = None
+    after_late_error: list[int] | None = None
+    twice: Cell | None = None
+    after_twice: list[int] | None = None
+    after_twice_control: list[int] | None = None
 
 
 def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
@@ -231,6 +240,21 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
             story.status_after_held = json.loads(
                 kernel.run("print(json.dumps(bnb_gc_fix.status().__dict__))").stdout
             )
+            kernel.run("held.__exit__(None, None, None)")
+            # The released hold of the error cell, collected now, gives its hold back a second time.
+            story.twice = kernel.run("import gc; holds.clear(); gc.collect()")
+            story.after_twice = kernel.run("state()").state()
+            kernel.run("bnb_gc_fix.deactivate()")
+        else:
+            kernel.run("bnb_gc_fix.reset(); bnb_gc_fix.activate()")
+        story.release_after = json.loads(
+            kernel.run("print(json.dumps(bnb_gc_fix.status().cell_end_release))").stdout
+        )
+        story.late_error_cell = kernel.run(STUCK_AFTER_ERROR)
+        story.after_late_error = kernel.run("state()").state()
+        if held:  # the same double give-back without the release installed: the counter stays negative
+            kernel.run("bnb_gc_fix.reset()")
+            story.after_twice_control = kernel.run("import gc; holds.clear(); gc.collect(); state()").state()
         return story
     finally:
         kernel.shutdown()
@@ -290,7 +314,7 @@ def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     assert story.after_a == [0, 0]
     assert story.after_b == [0, 0]  # B's weight is not left cached
     (line,) = story.interrupted.ours()
-    assert "ended with KeyboardInterrupt" in line and "counter 1, 16384 bytes cached" in line
+    assert "counter 1, 16384 bytes cached), left switched on by this cell's KeyboardInterrupt" in line
 
 
 @pytest.mark.parametrize("story", FIXED, indirect=True)
@@ -298,7 +322,7 @@ def test_ordinary_exception_is_released_too(story: Story) -> None:
     assert story.error_cell.error == "ValueError"
     assert story.after_error == [0, 0]
     (line,) = story.error_cell.ours()
-    assert "ended with ValueError" in line and "counter 1, 16384 bytes cached" in line
+    assert "counter 1, 16384 bytes cached), left switched on by this cell's ValueError" in line
 
 
 @pytest.mark.parametrize("story", CONTROLS, indirect=True)
@@ -310,6 +334,9 @@ def test_control_switched_off_keeps_the_old_behaviour(story: Story) -> None:
     assert story.after_b == [1, 32768]  # B's dequantized weight stays cached
     assert story.after_error == [1, 16384]
     assert story.interrupted.ours() == [] and story.error_cell.ours() == []
+    # An explicit import or activate() under BNB_GC_FIX=0 installs nothing either.
+    assert story.release_after is False
+    assert story.after_late_error == [1, 16384]
 
 
 @pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
@@ -317,7 +344,38 @@ def test_a_cell_without_exception_keeps_its_hold_and_says_so(story: Story) -> No
     assert story.held is not None and story.held.error is None
     assert story.after_held == [1, 16384]  # not released
     (line,) = story.held.ours()
-    assert "still switched on after this cell (counter 1, 16384 bytes cached)" in line
+    assert "still on after this cell (counter 1, 16384 bytes cached)" in line
     assert "bnb_gc_fix.reset()" in line
     assert story.status_after_held is not None
     assert story.status_after_held["cell_end_release"] is True
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_deactivate_removes_the_release(story: Story) -> None:
+    assert story.release_after is False
+    assert story.late_error_cell is not None and story.late_error_cell.error == "ValueError"
+    assert story.after_late_error == [1, 16384]  # the failing cell's hold stays: nothing released it
+    assert story.late_error_cell.ours() == []
+
+
+OUTSIDE = """
+import json, sys
+import bitsandbytes.nn.parametrize, bnb_gc_fix
+imported = "IPython" in sys.modules
+import IPython  # imported, but no shell is running: still nothing to install
+print(json.dumps([imported, bnb_gc_fix.status().cell_end_release, bnb_gc_fix.activate().cell_end_release]))
+"""
+
+
+def test_outside_ipython_nothing_is_installed_and_ipython_is_never_imported() -> None:
+    result = run_code(OUTSIDE)
+    assert json.loads(result.stdout.splitlines()[-1]) == [False, False, False]
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_hold_given_back_twice_is_put_back_to_zero(story: Story) -> None:
+    assert story.twice is not None
+    (line,) = story.twice.ours()
+    assert "counter was -1" in line
+    assert story.after_twice == [0, 0]
+    assert story.after_twice_control is not None and story.after_twice_control[0] == -1  # control
