@@ -7,8 +7,13 @@ environment; each runs the whole story once (module-scoped), and the tests read 
    Python loop after the dequantized weight is cached); ``interrupt_kernel()`` lands ~1 s into it;
 2. the next cell measures the counter and the cache before any forward; then a forward of A; then
    a forward of another module B;
-3. a cell that switches the cache on and raises an ordinary exception;
-4. (package on, 0.49.2) a cell that leaves the cache on without an exception.
+3. a cell that switches the cache on (``P.cached()`` held by hand) and raises an ordinary exception;
+4. (0.49.2, package on) a cell that leaves the cache on without an exception; the released hold of
+   step 3 given back a second time; then ``deactivate()``;
+5. a failing cell again, after ``deactivate()`` (0.49.2), ``activate()`` again (0.50.2), or an explicit
+   ``import bnb_gc_fix`` and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
+
+The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
 """
 
 from __future__ import annotations
@@ -379,3 +384,10 @@ def test_a_hold_given_back_twice_is_put_back_to_zero(story: Story) -> None:
     assert "counter was -1" in line
     assert story.after_twice == [0, 0]
     assert story.after_twice_control is not None and story.after_twice_control[0] == -1  # control
+
+
+@pytest.mark.parametrize("story", ["0.50.2 auto", "0.50.2 force"], indirect=True)
+def test_activate_again_keeps_one_release(story: Story) -> None:
+    assert story.release_after is True
+    assert story.after_late_error == [0, 0]
+    assert story.late_error_cell is not None and len(story.late_error_cell.ours()) == 1  # registered once
