@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide, inflight
+from bnb_gc_fix import decide, inflight, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
 
@@ -72,6 +72,9 @@ class Status:
     """Every known library (bitsandbytes, axolotl, ...) that is imported or was decided on, with
     its version, whether it is affected, and whether it is patched or why not. The fields above
     describe bitsandbytes alone."""
+    cell_end_release: bool = False
+    """In IPython/Jupyter: a cell that ends with an exception and leaves the cache switched on gets
+    it released (``bnb_gc_fix.notebook``); installed with activation, on every bitsandbytes."""
 
 
 class _Library:
@@ -227,6 +230,7 @@ def activate(*, via: str = "activate()") -> Status:
                 return status()
             if _state.via is None or not _state.on():
                 _state.via = via
+            notebook.install()
             for library in _state.libraries.values():
                 if library.patched:
                     continue
@@ -258,6 +262,7 @@ def deactivate() -> None:
             library.patched = False
             library.pending = False
             library.reason = "deactivated by deactivate()"
+        notebook.remove()
 
 
 def _env_value() -> str | None:
@@ -299,6 +304,7 @@ def status() -> Status:
             for library in _state.libraries.values()
             if library.verdict is not None or library.target.imported()
         ),
+        cell_end_release=notebook.installed(),
     )
 
 

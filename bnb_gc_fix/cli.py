@@ -77,6 +77,7 @@ def _facts() -> dict[str, Any]:
         via=current.via,
         switch=current.switch,
         libraries=[dataclasses.asdict(library) for library in current.libraries],
+        cell_end_release=current.cell_end_release,
     )
     return facts
 
@@ -116,6 +117,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  why:           {facts['reason']}")
     print(f"  turned on by:  {facts['via'] or '-'}")
     print(f"  start-up hook: {'installed' if facts['startup_hook'] else 'not installed'}")
+    release = "installed" if facts["cell_end_release"] else "not installed (IPython/Jupyter only)"
+    print(f"  cell-end release: {release}")
     switch = "unset" if facts["switch"] is None else facts["switch"]
     print(f"  {boot.VARIABLE}:    {switch} (mode {facts['mode']})")
     print("libraries:")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -115,14 +116,18 @@ def pip_target(spec: str) -> Path:
     """
     target = cache_root() / spec
     marker = target / ".complete"
-    if not marker.exists():
-        if target.exists():
-            shutil.rmtree(target)
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), spec],
-            check=True,
-        )
-        marker.write_text(spec + "\n")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Parallel test workers ask for the same folder: one installs, the others wait for it.
+    with open(target.parent / f".{spec}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not marker.exists():
+            if target.exists():
+                shutil.rmtree(target)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), spec],
+                check=True,
+            )
+            marker.write_text(spec + "\n")
     return target
 
 

@@ -1,0 +1,374 @@
+"""The cell-end release in a real Jupyter kernel, interrupted by a real SIGINT inside a quantized forward.
+
+One kernel per (bitsandbytes, BNB_GC_FIX) row, started with this venv's interpreter and an explicit
+environment; each runs the whole story once (module-scoped), and the tests read its measurements:
+
+1. a cell runs a ~3 s forward of module A (a 4-bit parameter from ``replace_parameter_4bit``, a slow
+   Python loop after the dequantized weight is cached); ``interrupt_kernel()`` lands ~1 s into it;
+2. the next cell measures the counter and the cache before any forward; then a forward of A; then
+   a forward of another module B;
+3. a cell that switches the cache on (``P.cached()`` held by hand) and raises an ordinary exception;
+4. (0.49.2, package on) a cell that leaves the cache on without an exception; the released hold of
+   step 3 given back a second time; then ``deactivate()``;
+5. a failing cell again, after ``deactivate()`` (0.49.2), ``activate()`` again (0.50.2), or an explicit
+   ``import bnb_gc_fix`` and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
+
+The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import environment, pip_target, run_code
+
+jupyter_client = pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from jupyter_client.manager import KernelManager  # noqa: E402
+
+VERSION_050 = "0.50.2"
+
+
+@pytest.fixture(scope="session")
+def bnb_050() -> Path:
+    """bitsandbytes 0.50.2 installed with --no-deps into the test cache, shadowing 0.49.2 via PYTHONPATH."""
+    return pip_target(f"bitsandbytes=={VERSION_050}")
+
+
+@dataclass
+class Cell:
+    stdout: str = ""
+    stderr: str = ""
+    error: str | None = None  # the exception's class name, if the cell raised
+    traceback: list[str] = field(default_factory=list)
+
+    def state(self) -> list[int]:
+        """The last ``STATE [counter, bytes]`` line the cell printed."""
+        lines = [line for line in self.stdout.splitlines() if line.startswith("STATE ")]
+        assert lines, f"no STATE line in the cell's output:\n{self.stdout}\n{self.stderr}"
+        value: list[int] = json.loads(lines[-1][len("STATE ") :])
+        return value
+
+    def ours(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("bnb_gc_fix:")]
+
+
+class Kernel:
+    """A real ipykernel running this venv's interpreter, driven through jupyter_client."""
+
+    def __init__(self, tmp: Path, env: dict[str, str]) -> None:
+        spec_dir = tmp / "kernels" / "bnbgcfix"
+        spec_dir.mkdir(parents=True)
+        argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+        (spec_dir / "kernel.json").write_text(
+            json.dumps({"argv": argv, "display_name": "bnb-gc-fix tests", "language": "python"})
+        )
+        specs = KernelSpecManager(kernel_dirs=[str(tmp / "kernels")])
+        self.manager = KernelManager(kernel_name="bnbgcfix", kernel_spec_manager=specs)
+        self.manager.start_kernel(env=env, cwd=str(tmp))
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+
+    def shutdown(self) -> None:
+        try:
+            self.client.stop_channels()
+        finally:
+            self.manager.shutdown_kernel(now=True)
+
+    def run(self, code: str, interrupt_after: str | None = None, delay: float = 1.0) -> Cell:
+        """Execute one cell; with ``interrupt_after``, send SIGINT ``delay`` s after that text is printed."""
+        msg_id = self.client.execute(textwrap.dedent(code), store_history=True)
+        cell = Cell()
+        deadline = time.monotonic() + 180
+        interrupted = interrupt_after is None
+        while True:
+            try:
+                msg = self.client.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise AssertionError(f"the cell did not finish:\n{code}\n{cell}")
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    cell.stdout += content["text"]
+                else:
+                    cell.stderr += content["text"]
+                if not interrupted and interrupt_after in cell.stdout:
+                    interrupted = True
+                    time.sleep(delay)
+                    self.manager.interrupt_kernel()  # a real SIGINT to the kernel's process group
+            elif kind == "error":
+                cell.error = content["ename"]
+                cell.traceback = content["traceback"]
+            elif kind == "status" and content["execution_state"] == "idle":
+                break
+        while self.client.get_shell_msg(timeout=60)["parent_header"].get("msg_id") != msg_id:
+            pass  # a late kernel_info reply from wait_for_ready
+        return cell
+
+
+SETUP = """
+import json, sys, time
+import torch
+from torch import nn
+import torch.nn.utils.parametrize as P
+from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64) * 0.05)
+        self.seconds = 0.0
+
+    def forward(self, x):
+        w = self.weight  # dequantized, and cached while the cache is switched on
+        if self.seconds:
+            print("forward started", flush=True)
+            end = time.monotonic() + self.seconds
+            while time.monotonic() < end:
+                pass
+        return x @ w.t()
+
+
+def state():
+    cached = sum(t.numel() * t.element_size() for t in P._cache.values() if isinstance(t, torch.Tensor))
+    print("STATE " + json.dumps([int(P._cache_enabled), cached]))
+
+
+holds = []
+torch.manual_seed(0)
+A, B = Slow(), Slow()
+replace_parameter_4bit(A, "weight", quant_type="nf4")
+replace_parameter_4bit(B, "weight", quant_type="nf4")
+x = torch.randn(2, 64)
+import bitsandbytes
+fix = sys.modules.get("bnb_gc_fix")
+print("INFO " + json.dumps({
+    "bitsandbytes": bitsandbytes.__version__,
+    "cell_end_release": None if fix is None else fix.status().cell_end_release,
+    "active": None if fix is None else fix.status().active,
+}))
+"""
+
+INTERRUPTED = """
+A.seconds = 3.0
+A(x)
+"""
+
+STUCK_AFTER_ERROR = """
+A.seconds = 0.0
+holds.append(P.cached())  # kept: a dropped generator would switch the cache off when collected
+holds[-1].__enter__()  # switched on, then an ordinary exception before anything switches it off
+B(x)
+raise ValueError("an ordinary error in the cell")
+"""
+
+HELD_ON_PURPOSE = """
+held = P.cached()
+held.__enter__()  # held across cells on purpose: no exception
+B(x)
+"""
+
+
+@dataclass
+class Story:
+    info: dict[str, Any]
+    interrupted: Cell
+    next_cell: list[int]
+    after_a: list[int]
+    after_b: list[int]
+    error_cell: Cell
+    after_error: list[int]
+    held: Cell | None = None
+    after_held: list[int] | None = None
+    status_after_held: dict[str, Any] | None = None
+    # After deactivate() (package on) or an explicit `import bnb_gc_fix` (BNB_GC_FIX=0): is the
+    # release installed, and what does a failing cell leave?
+    release_after: bool | None = None
+    late_error_cell: Cell | None = None
+    after_late_error: list[int] | None = None
+    twice: Cell | None = None
+    after_twice: list[int] | None = None
+    after_twice_control: list[int] | None = None
+
+
+def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
+    kernel = Kernel(tmp, env)
+    try:
+        setup = kernel.run(SETUP)
+        assert setup.error is None, setup.traceback
+        info = json.loads(next(line[5:] for line in setup.stdout.splitlines() if line.startswith("INFO ")))
+        interrupted = kernel.run(INTERRUPTED, interrupt_after="forward started", delay=1.0)
+        next_cell = kernel.run("state()").state()  # before any forward
+        after_a = kernel.run("A.seconds = 0.0; A(x); state()").state()
+        after_b = kernel.run("B(x); state()").state()
+        kernel.run("import bnb_gc_fix; bnb_gc_fix.reset()")  # the controls start the next part from 0
+        error_cell = kernel.run(STUCK_AFTER_ERROR)
+        after_error = kernel.run("state()").state()
+        story = Story(info, interrupted, next_cell, after_a, after_b, error_cell, after_error)
+        if held:
+            story.held = kernel.run(HELD_ON_PURPOSE)
+            story.after_held = kernel.run("state()").state()
+            story.status_after_held = json.loads(
+                kernel.run("print(json.dumps(bnb_gc_fix.status().__dict__))").stdout
+            )
+            kernel.run("held.__exit__(None, None, None)")
+            # The released hold of the error cell, collected now, gives its hold back a second time.
+            story.twice = kernel.run("import gc; holds.clear(); gc.collect()")
+            story.after_twice = kernel.run("state()").state()
+            kernel.run("bnb_gc_fix.deactivate()")
+        else:
+            kernel.run("bnb_gc_fix.reset(); bnb_gc_fix.activate()")
+        story.release_after = json.loads(
+            kernel.run("print(json.dumps(bnb_gc_fix.status().cell_end_release))").stdout
+        )
+        story.late_error_cell = kernel.run(STUCK_AFTER_ERROR)
+        story.after_late_error = kernel.run("state()").state()
+        if held:  # the same double give-back without the release installed: the counter stays negative
+            kernel.run("bnb_gc_fix.reset()")
+            story.after_twice_control = kernel.run("import gc; holds.clear(); gc.collect(); state()").state()
+        return story
+    finally:
+        kernel.shutdown()
+
+
+ROWS = {
+    "0.49.2 BNB_GC_FIX=0": ("0.49.2", "0"),
+    "0.49.2 on": ("0.49.2", None),
+    "0.50.2 auto": (VERSION_050, None),
+    "0.50.2 force": (VERSION_050, "force"),
+    "0.50.2 BNB_GC_FIX=0": (VERSION_050, "0"),
+}
+CONTROLS = [row for row, (_, switch) in ROWS.items() if switch == "0"]
+FIXED = [row for row in ROWS if row not in CONTROLS]
+
+_stories: dict[str, Story] = {}
+
+
+@pytest.fixture(scope="module")
+def stories() -> Iterator[dict[str, Story]]:
+    yield _stories
+    _print_table()
+
+
+@pytest.fixture
+def story(request: pytest.FixtureRequest, stories: dict[str, Story], bnb_050: Path) -> Story:
+    row: str = request.param
+    if row not in stories:
+        version, switch = ROWS[row]
+        extra = {"PYTHONPATH": str(bnb_050)} if version == VERSION_050 else {}
+        env = environment(switch, **extra)
+        tmp = Path(request.getfixturevalue("tmp_path_factory").mktemp("kernel"))
+        stories[row] = _story(tmp, env, held=row == "0.49.2 on")
+        assert stories[row].info["bitsandbytes"] == version
+    return stories[row]
+
+
+def _print_table() -> None:
+    if not _stories:
+        return
+    print("\n| bitsandbytes, switch | after the interrupted cell | next forward of A | a forward of B |")
+    for row, s in _stories.items():
+        cells = [f"{c}, {b} B" for c, b in (s.next_cell, s.after_a, s.after_b)]
+        print(f"| {row} | " + " | ".join(cells) + " |")
+
+
+def _landed_in_forward(cell: Cell) -> None:
+    assert cell.error == "KeyboardInterrupt", cell
+    assert any("forward" in frame for frame in cell.traceback), "the interrupt did not land inside forward"
+
+
+@pytest.mark.parametrize("story", FIXED, indirect=True)
+def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
+    _landed_in_forward(story.interrupted)
+    assert story.info["cell_end_release"] is True
+    assert story.next_cell == [0, 0]  # the very next cell, before any forward
+    assert story.after_a == [0, 0]
+    assert story.after_b == [0, 0]  # B's weight is not left cached
+    (line,) = story.interrupted.ours()
+    assert "counter 1, 16384 bytes cached), left switched on by this cell's KeyboardInterrupt" in line
+
+
+@pytest.mark.parametrize("story", FIXED, indirect=True)
+def test_ordinary_exception_is_released_too(story: Story) -> None:
+    assert story.error_cell.error == "ValueError"
+    assert story.after_error == [0, 0]
+    (line,) = story.error_cell.ours()
+    assert "counter 1, 16384 bytes cached), left switched on by this cell's ValueError" in line
+
+
+@pytest.mark.parametrize("story", CONTROLS, indirect=True)
+def test_control_switched_off_keeps_the_old_behaviour(story: Story) -> None:
+    _landed_in_forward(story.interrupted)
+    assert story.info["cell_end_release"] is None  # the package was never imported
+    assert story.next_cell == [1, 16384]
+    assert story.after_a == [1, 16384]
+    assert story.after_b == [1, 32768]  # B's dequantized weight stays cached
+    assert story.after_error == [1, 16384]
+    assert story.interrupted.ours() == [] and story.error_cell.ours() == []
+    # An explicit import or activate() under BNB_GC_FIX=0 installs nothing either.
+    assert story.release_after is False
+    assert story.after_late_error == [1, 16384]
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_cell_without_exception_keeps_its_hold_and_says_so(story: Story) -> None:
+    assert story.held is not None and story.held.error is None
+    assert story.after_held == [1, 16384]  # not released
+    (line,) = story.held.ours()
+    assert "still on after this cell (counter 1, 16384 bytes cached)" in line
+    assert "bnb_gc_fix.reset()" in line
+    assert story.status_after_held is not None
+    assert story.status_after_held["cell_end_release"] is True
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_deactivate_removes_the_release(story: Story) -> None:
+    assert story.release_after is False
+    assert story.late_error_cell is not None and story.late_error_cell.error == "ValueError"
+    assert story.after_late_error == [1, 16384]  # the failing cell's hold stays: nothing released it
+    assert story.late_error_cell.ours() == []
+
+
+OUTSIDE = """
+import json, sys
+import bitsandbytes.nn.parametrize, bnb_gc_fix
+imported = "IPython" in sys.modules
+import IPython  # imported, but no shell is running: still nothing to install
+print(json.dumps([imported, bnb_gc_fix.status().cell_end_release, bnb_gc_fix.activate().cell_end_release]))
+"""
+
+
+def test_outside_ipython_nothing_is_installed_and_ipython_is_never_imported() -> None:
+    result = run_code(OUTSIDE)
+    assert json.loads(result.stdout.splitlines()[-1]) == [False, False, False]
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_hold_given_back_twice_is_put_back_to_zero(story: Story) -> None:
+    assert story.twice is not None
+    (line,) = story.twice.ours()
+    assert "counter was -1" in line
+    assert story.after_twice == [0, 0]
+    assert story.after_twice_control is not None and story.after_twice_control[0] == -1  # control
+
+
+@pytest.mark.parametrize("story", ["0.50.2 auto", "0.50.2 force"], indirect=True)
+def test_activate_again_keeps_one_release(story: Story) -> None:
+    assert story.release_after is True
+    assert story.after_late_error == [0, 0]
+    assert story.late_error_cell is not None and len(story.late_error_cell.ours()) == 1  # registered once
