@@ -124,7 +124,17 @@ def pip_target(spec: str) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             subprocess.run(
-                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), spec],
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "install",
+                    "--quiet",
+                    "--no-deps",
+                    "--target",
+                    str(target),
+                    spec,
+                ],
                 check=True,
             )
             marker.write_text(spec + "\n")
