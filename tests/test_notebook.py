@@ -224,7 +224,9 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
             story.held = kernel.run(HELD_ON_PURPOSE)
             story.after_held = kernel.run("state()").state()
             story.status_after_held = json.loads(
-                kernel.run("print(json.dumps(bnb_gc_fix.status().__dict__))").stdout
+                kernel.run(
+                    "import dataclasses; print(json.dumps(dataclasses.asdict(bnb_gc_fix.status())))"
+                ).stdout
             )
             kernel.run("held.__exit__(None, None, None)")
             # The released hold of the error cell, collected now, gives its hold back a second time.
