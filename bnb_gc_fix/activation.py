@@ -48,6 +48,16 @@ class Status:
     """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
     process when the package was first imported (it would have turned the fix on anyway), "import"
     when nothing else was, "activate()" after a deactivate(); None while the fix is off."""
+    state: str = "off"
+    """One word a user can act on: "patched" (the fix is on), "armed" (waiting for bitsandbytes'
+    4-bit code to be imported, then it decides and patches), "not needed" (this bitsandbytes
+    cannot leak this way), "off" (switched off by BNB_GC_FIX or deactivate()), "skipped"
+    (bitsandbytes or torch internals did not look as expected; nothing patched, one warning)."""
+    counter: int | None = None
+    """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
+    while torch's parametrize module is not imported (status() never imports it)."""
+    cache_bytes: int | None = None
+    """Bytes of tensors held by torch's parametrization cache right now; None like ``counter``."""
 
 
 class _State:
@@ -61,9 +71,38 @@ class _State:
         self.via: str | None = None
         self.warned_switch = False
         self.warned_skip = False
+        self.switched_off = False
+        self.failed = False
 
 
 _state = _State()
+
+
+_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
+
+
+def _is_ours(filename: str) -> bool:
+    """Frames of this package, of the start-up hook, and of wrapt's post-import machinery."""
+    wrapt_dir = os.sep + "wrapt" + os.sep
+    return filename.startswith(_OURS) or wrapt_dir in filename
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """Warn at the user's line: the first frame outside this package (import, activate(), hook).
+
+    ``warnings`` itself skips importlib's frames without counting them, so they are skipped
+    here without counting too.
+    """
+    level = 1
+    frame = sys._getframe(0).f_back
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not ("importlib" in filename and "_bootstrap" in filename):
+            level += 1
+            if not _is_ours(os.path.abspath(filename) if not filename.startswith("<") else filename):
+                break
+        frame = frame.f_back
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _read_switch() -> str:
@@ -71,11 +110,10 @@ def _read_switch() -> str:
     mode, recognised = boot.parse(raw)
     if not recognised and not _state.warned_switch:
         _state.warned_switch = True
-        warnings.warn(
+        _warn(
             f"{boot.VARIABLE}={raw!r} is not a known value; accepted values are {boot.ACCEPTED}. "
             "Behaving as 'auto'.",
             SwitchValueWarning,
-            stacklevel=4,
         )
     return mode
 
@@ -85,6 +123,7 @@ def _apply(parametrize: ModuleType, mode: str) -> None:
     from bnb_gc_fix import patch
 
     _state.pending = False
+    _state.failed = False
     verdict = decide.judge(parametrize, force=mode == boot.FORCE)
     _state.verdict = verdict
     if verdict.unexpected:
@@ -92,18 +131,18 @@ def _apply(parametrize: ModuleType, mode: str) -> None:
         _state.reason = verdict.decision
         if not _state.warned_skip:
             _state.warned_skip = True
-            warnings.warn(f"bnb-gc-fix is not active: {verdict.decision}.", PatchSkippedWarning, stacklevel=2)
+            _warn(f"bnb-gc-fix is not active: {verdict.decision}.", PatchSkippedWarning)
         return
     if not verdict.patch:
         _state.active = False
         _state.reason = verdict.decision
         log = logger.info if mode == boot.ON else logger.debug
-        log("bnb_gc_fix: nothing needed patching: %s", verdict.reason)
+        log("nothing needed patching: %s", verdict.reason)
         return
     patch.apply(parametrize)
     _state.active = True
     _state.reason = verdict.decision
-    logger.info("bnb_gc_fix: %s", verdict.decision)
+    logger.info("%s", verdict.decision)
 
 
 def _on_parametrize_import(parametrize: ModuleType) -> None:
@@ -115,12 +154,14 @@ def _on_parametrize_import(parametrize: ModuleType) -> None:
             mode = boot.mode()
             if mode == boot.OFF:  # switched off since activation: the kill switch still holds
                 _state.pending = False
+                _state.switched_off = True
                 _state.reason = _disabled_reason()
                 return
             _apply(parametrize, mode)
     except Exception as error:
+        _state.failed = True
         _state.reason = f"patching failed: {type(error).__name__}: {error}; nothing patched"
-        warnings.warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning, stacklevel=2)
+        _warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning)
 
 
 def activate(*, via: str = "activate()") -> Status:
@@ -135,8 +176,10 @@ def activate(*, via: str = "activate()") -> Status:
             if mode == boot.OFF:
                 if not _state.active:  # an earlier patch stays until deactivate()
                     _state.pending = False
+                    _state.switched_off = True
                     _state.reason = _disabled_reason()
                 return status()
+            _state.switched_off = False
             if _state.via is None or not (_state.active or _state.pending):
                 _state.via = via
             if _state.active:
@@ -146,17 +189,17 @@ def activate(*, via: str = "activate()") -> Status:
                 _apply(parametrize, mode)
             else:
                 _state.pending = True
-                _state.reason = (
-                    f"waiting for {decide.PARAMETRIZE} to be imported; it will be checked and patched then"
-                )
+                _state.failed = False
+                _state.reason = _ARMED_REASON
                 if not _state.hook_registered:
                     import wrapt
 
                     _state.hook_registered = True
                     wrapt.register_post_import_hook(_on_parametrize_import, decide.PARAMETRIZE)
     except Exception as error:
+        _state.failed = True
         _state.reason = f"activation failed: {type(error).__name__}: {error}; nothing patched"
-        warnings.warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning, stacklevel=2)
+        _warn(f"bnb-gc-fix is not active: {_state.reason}.", PatchSkippedWarning)
     return status()
 
 
@@ -173,6 +216,7 @@ def deactivate() -> None:
             patch.remove(parametrize)
         _state.active = False
         _state.pending = False
+        _state.switched_off = True
         _state.reason = "deactivated by deactivate()"
 
 
@@ -185,6 +229,37 @@ def _disabled_reason() -> str:
     return f"disabled by the environment: {switch} switches the fix off; nothing patched"
 
 
+_ARMED_REASON = (
+    f"armed: {decide.PARAMETRIZE} is not imported yet (bitsandbytes imports it when a model is "
+    "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
+)
+
+
+def _derive_state(bnb: str | None) -> str:
+    """The one word for ``Status.state``, from the flags the transitions above keep."""
+    if _state.active:
+        return "patched"
+    if _state.pending:
+        return "not needed" if bnb is not None and decide.before_parametrize(bnb) else "armed"
+    if _state.switched_off:
+        return "off"
+    if _state.failed or _state.verdict is None or _state.verdict.unexpected:
+        return "skipped"
+    return "not needed"
+
+
+def _cache_now() -> tuple[int | None, int | None]:
+    """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
+    if "torch.nn.utils.parametrize" not in sys.modules:
+        return None, None
+    try:
+        from bnb_gc_fix import gate
+
+        return gate.counter(), gate.cached_bytes()
+    except Exception:  # status() never raises
+        return None, None
+
+
 def status() -> Status:
     """Where the fix stands in this process right now."""
     verdict = _state.verdict
@@ -192,6 +267,7 @@ def status() -> Status:
     reason = _state.reason
     if _state.pending:
         reason = _pending_reason(bnb) or reason
+    counter, cache_bytes = _cache_now()
     return Status(
         active=_state.active,
         reason=reason,
@@ -203,6 +279,9 @@ def status() -> Status:
         mode=boot.mode(),
         switch=_env_value(),
         via=_state.via if (_state.active or _state.pending) else None,
+        state=_derive_state(bnb),
+        counter=counter,
+        cache_bytes=cache_bytes,
     )
 
 
@@ -218,8 +297,8 @@ def _pending_reason(bnb: str | None) -> str | None:
 
     if PathFinder.find_spec("bitsandbytes") is None:
         return (
-            "bitsandbytes is not installed, so there is nothing to patch; the fix stays armed and "
-            "patches it if it is imported later"
+            "armed: bitsandbytes is not installed, so there is nothing to patch now; the fix "
+            "checks and patches it if it is imported later"
         )
     return None
 
