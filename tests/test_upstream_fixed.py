@@ -45,7 +45,7 @@ def _env(target: Path, switch: str | None = None) -> dict[str, str]:
 def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
     run = tiny_olmoe("--steps", "4", "--import-fix", env=_env(bnb_050))
     assert [s["counter"] for s in run.steps] == [0] * 4
-    assert run.summary["active"] is False
+    assert run.summary["active"] is False and run.summary["state"] == "not needed"
     assert "always_call=True (upstream fix)" in run.summary["reason"]
     assert run.summary["reason"].endswith("nothing to patch")
 
