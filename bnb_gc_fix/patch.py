@@ -35,7 +35,7 @@ def _register_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs
         if module is not None:
             gate.install(module)
     except Exception:  # never break the user's quantization call
-        logger.exception("bnb_gc_fix: could not install the cache gate on %s", type(module).__name__)
+        logger.exception("could not install the cache gate on %s", type(module).__name__)
     return result
 
 
