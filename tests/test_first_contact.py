@@ -251,19 +251,29 @@ WARN_PATHS = {
         + "os.environ['BNB_GC_FIX'] = 'sometimes'\nbnb_gc_fix.activate()  # USER LINE\n"
     ),
     "start-up hook": "import bitsandbytes  # USER LINE\n",
+    "patch skipped": (
+        WITHOUT_STARTUP_HOOK
+        + "from bitsandbytes.nn import parametrize\ndel parametrize._disable_parametrization_cache\n"
+        + "import bnb_gc_fix  # USER LINE\n"
+    ),
 }
 
 
 @pytest.mark.parametrize("path", list(WARN_PATHS))
-def test_switch_warning_points_at_the_users_line(path: str, tmp_path: Path) -> None:
+def test_warnings_point_at_the_users_line(path: str, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(WARN_PATHS[path])
-    line = 1 + script.read_text().splitlines().index(
-        next(s for s in script.read_text().splitlines() if s.endswith("# USER LINE"))
-    )
-    result = run_python([str(script)], switch="sometimes")
+    lines = script.read_text().splitlines()
+    line = 1 + lines.index(next(s for s in lines if s.endswith("# USER LINE")))
+    switch = None if path == "patch skipped" else "sometimes"
+    result = run_python([str(script)], switch=switch)
     assert result.returncode == 0, result.stderr
-    assert f"{script}:{line}: SwitchValueWarning: BNB_GC_FIX='sometimes'" in result.stderr, result.stderr
+    expected = (
+        f"{script}:{line}: PatchSkippedWarning: bnb-gc-fix is not active"
+        if path == "patch skipped"
+        else f"{script}:{line}: SwitchValueWarning: BNB_GC_FIX='sometimes'"
+    )
+    assert expected in result.stderr, result.stderr
 
 
 # --- the README's commands and real output (files only; CI regenerates the output) ---------------
