@@ -84,6 +84,9 @@ def _print_json(payload: dict[str, Any]) -> None:
     print(json.dumps(payload, sort_keys=True))
 
 
+_VIA = {"start-up hook": "the start-up hook", "runner": "bnb-gc-fix run", "import": "import bnb_gc_fix"}
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     facts = _facts()
     if args.json:
@@ -98,7 +101,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
     state = facts["state"]
     if facts["via"] and state in ("patched", "armed"):
-        state += f" (turned on by the {facts['via']})" if "hook" in facts["via"] else f" (by {facts['via']})"
+        state += f" (turned on by {_VIA.get(facts['via'], facts['via'])})"
     print(f"bnb-gc-fix {facts['bnb_gc_fix']}")
     print(f"  python         {facts['python']}")
     print(f"  torch          {show(facts['torch'])}")
