@@ -53,7 +53,7 @@ def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
 def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> None:
     code = (
         "import logging, sys, json\n"
-        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(message)s')\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(name)s: %(message)s')\n"
         "from bitsandbytes.nn import parametrize\n"
         "import bitsandbytes, bnb_gc_fix\n"
         "s = bnb_gc_fix.activate()\n"
