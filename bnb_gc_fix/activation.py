@@ -75,6 +75,16 @@ class Status:
     cell_end_release: bool = False
     """In IPython/Jupyter: a cell that ends with an exception and leaves the cache switched on gets
     it released (``bnb_gc_fix.notebook``); installed with activation, on every bitsandbytes."""
+    state: str = "off"
+    """One word a user can act on: "patched" (the fix is on), "armed" (waiting for bitsandbytes'
+    4-bit code to be imported, then it decides and patches), "not needed" (this bitsandbytes
+    cannot leak this way), "off" (switched off by BNB_GC_FIX or deactivate()), "skipped"
+    (bitsandbytes or torch internals did not look as expected; nothing patched, one warning)."""
+    counter: int | None = None
+    """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
+    while torch's parametrize module is not imported (status() never imports it)."""
+    cache_bytes: int | None = None
+    """Bytes of tensors held by torch's parametrization cache right now; None like ``counter``."""
 
 
 class _Library:
@@ -88,6 +98,10 @@ class _Library:
         self.reason = "not activated"
         self.verdict: decide.Verdict | None = None
         self.warned_skip = False
+        self.switched_off = False
+        """Switched off by BNB_GC_FIX or deactivate()."""
+        self.failed = False
+        """Activation or patching raised (nothing patched)."""
 
 
 class _State:
@@ -109,16 +123,42 @@ class _State:
 _state = _State()
 
 
+_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
+
+
+def _is_ours(filename: str) -> bool:
+    """Frames of this package, of the start-up hook, and of wrapt's post-import machinery."""
+    wrapt_dir = os.sep + "wrapt" + os.sep
+    return filename.startswith(_OURS) or wrapt_dir in filename
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    """Warn at the user's line: the first frame outside this package (import, activate(), hook).
+
+    ``warnings`` itself skips importlib's frames without counting them, so they are skipped
+    here without counting too.
+    """
+    level = 1
+    frame = sys._getframe(0).f_back
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not ("importlib" in filename and "_bootstrap" in filename):
+            level += 1
+            if not _is_ours(os.path.abspath(filename) if not filename.startswith("<") else filename):
+                break
+        frame = frame.f_back
+    warnings.warn(message, category, stacklevel=level)
+
+
 def _read_switch() -> str:
     raw = os.environ.get(boot.VARIABLE)
     mode, recognised = boot.parse(raw)
     if not recognised and not _state.warned_switch:
         _state.warned_switch = True
-        warnings.warn(
+        _warn(
             f"{boot.VARIABLE}={raw!r} is not a known value; accepted values are {boot.ACCEPTED}. "
             "Behaving as 'auto'.",
             SwitchValueWarning,
-            stacklevel=4,
         )
     return mode
 
@@ -129,7 +169,7 @@ def _skip(library: _Library, reason: str) -> None:
     library.reason = reason
     if not library.warned_skip:
         library.warned_skip = True
-        warnings.warn(f"bnb-gc-fix is not active: {reason}.", PatchSkippedWarning, stacklevel=3)
+        _warn(f"bnb-gc-fix is not active: {reason}.", PatchSkippedWarning)
 
 
 def _apply(library: _Library, module: ModuleType, mode: str) -> None:
@@ -137,6 +177,7 @@ def _apply(library: _Library, module: ModuleType, mode: str) -> None:
     from bnb_gc_fix import patch
 
     library.pending = False
+    library.failed = False
     verdict = decide.judge(module, force=mode == boot.FORCE, target=library.target)
     library.verdict = verdict
     if verdict.unexpected:
@@ -146,12 +187,12 @@ def _apply(library: _Library, module: ModuleType, mode: str) -> None:
         library.patched = False
         library.reason = verdict.decision
         log = logger.info if mode == boot.ON else logger.debug
-        log("bnb_gc_fix: nothing needed patching: %s", verdict.reason)
+        log("nothing needed patching: %s", verdict.reason)
         return
     patch.apply(module, library.target, replace_always_called=verdict.affected is False)
     library.patched = True
     library.reason = verdict.decision
-    logger.info("bnb_gc_fix: %s", verdict.decision)
+    logger.info("%s", verdict.decision)
 
 
 def _arm(library: _Library, mode: str) -> None:
@@ -162,12 +203,16 @@ def _arm(library: _Library, mode: str) -> None:
         _apply(library, module, mode)
         return
     library.pending = True
-    library.reason = f"waiting for {name} to be imported; it will be checked and patched then"
+    library.reason = (
+        _ARMED_REASON
+        if library.target is BITSANDBYTES
+        else f"armed: {name} is not imported yet; the fix checks and patches it the moment it is"
+    )
     if module is not None:
         # Half-initialised (the start-up hook fired on an import of bitsandbytes inside it): its
         # functions are not all defined yet. Decide once its code has run.
         if inflight.when_complete(module, lambda: _on_complete(library)):
-            logger.debug("bnb_gc_fix: %s is being imported; deciding once its code has run", name)
+            logger.debug("%s is being imported; deciding once its code has run", name)
         elif not inflight.initializing(module):
             _apply(library, module, mode)  # it completed meanwhile
         else:
@@ -201,6 +246,7 @@ def _on_complete(library: _Library) -> None:
             mode = boot.mode()
             if mode == boot.OFF:  # switched off since activation: the kill switch still holds
                 library.pending = False
+                library.switched_off = True
                 library.reason = _disabled_reason()
                 return
             module = sys.modules.get(library.target.module)
@@ -210,6 +256,7 @@ def _on_complete(library: _Library) -> None:
                 _apply(library, module, mode)
     except Exception as error:
         library.pending = False
+        library.failed = True
         _skip(library, f"patching failed: {type(error).__name__}: {error}; nothing patched")
 
 
@@ -226,24 +273,26 @@ def activate(*, via: str = "activate()") -> Status:
                 for library in _state.libraries.values():
                     if not library.patched:  # an earlier patch stays until deactivate()
                         library.pending = False
+                        library.switched_off = True
                         library.reason = _disabled_reason()
                 return status()
             if _state.via is None or not _state.on():
                 _state.via = via
             notebook.install()
             for library in _state.libraries.values():
+                library.switched_off = False
                 if library.patched:
                     continue
                 try:
                     _arm(library, mode)
                 except Exception as error:  # one library's failure leaves the others armed
                     library.pending = False
+                    library.failed = True
                     _skip(library, f"activation failed: {type(error).__name__}: {error}; nothing patched")
     except Exception as error:
+        _state.bitsandbytes.failed = True
         _state.bitsandbytes.reason = f"activation failed: {type(error).__name__}: {error}; nothing patched"
-        warnings.warn(
-            f"bnb-gc-fix is not active: {_state.bitsandbytes.reason}.", PatchSkippedWarning, stacklevel=2
-        )
+        _warn(f"bnb-gc-fix is not active: {_state.bitsandbytes.reason}.", PatchSkippedWarning)
     return status()
 
 
@@ -261,6 +310,7 @@ def deactivate() -> None:
                 patch.remove(module, library.target)
             library.patched = False
             library.pending = False
+            library.switched_off = True
             library.reason = "deactivated by deactivate()"
         notebook.remove()
 
@@ -274,6 +324,37 @@ def _disabled_reason() -> str:
     return f"disabled by the environment: {switch} switches the fix off; nothing patched"
 
 
+_ARMED_REASON = (
+    f"armed: {decide.PARAMETRIZE} is not imported yet (bitsandbytes imports it when a model is "
+    "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
+)
+
+
+def _derive_state(library: _Library, version: str | None) -> str:
+    """The one word for ``Status.state``, from the flags the transitions above keep."""
+    if library.patched:
+        return "patched"
+    if library.pending:
+        return "not needed" if version is not None and decide.before_parametrize(version) else "armed"
+    if library.switched_off:
+        return "off"
+    if library.failed or library.verdict is None or library.verdict.unexpected:
+        return "skipped"
+    return "not needed"
+
+
+def _cache_now() -> tuple[int | None, int | None]:
+    """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
+    if "torch.nn.utils.parametrize" not in sys.modules:
+        return None, None
+    try:
+        from bnb_gc_fix import gate
+
+        return gate.counter(), gate.cached_bytes()
+    except Exception:  # status() never raises
+        return None, None
+
+
 def status() -> Status:
     """Where the fix stands in this process right now."""
     bnb = _state.bitsandbytes
@@ -282,6 +363,7 @@ def status() -> Status:
     reason = bnb.reason
     if bnb.pending:
         reason = _pending_reason(version) or reason
+    counter, cache_bytes = _cache_now()
     return Status(
         active=bnb.patched,
         reason=reason,
@@ -305,6 +387,9 @@ def status() -> Status:
             if library.verdict is not None or library.target.imported()
         ),
         cell_end_release=notebook.installed(),
+        state=_derive_state(bnb, version),
+        counter=counter,
+        cache_bytes=cache_bytes,
     )
 
 
@@ -320,8 +405,8 @@ def _pending_reason(bnb: str | None) -> str | None:
 
     if PathFinder.find_spec("bitsandbytes") is None:
         return (
-            "bitsandbytes is not installed, so there is nothing to patch; the fix stays armed and "
-            "patches it if it is imported later"
+            "armed: bitsandbytes is not installed, so there is nothing to patch now; the fix "
+            "checks and patches it if it is imported later"
         )
     return None
 

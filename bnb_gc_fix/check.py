@@ -13,7 +13,11 @@ from typing import Any
 
 
 class CannotRunError(Exception):
-    """The check cannot run here (torch or bitsandbytes missing or too old); the message says what to do."""
+    """The check cannot run here (torch or bitsandbytes missing or too old, no CUDA, a failure inside
+    the synthetic run); the message says what happened and what to do."""
+
+
+MIN_TORCH = "2.1"
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,24 @@ class CheckResult:
 def _imports() -> tuple[Any, Any]:
     try:
         import torch
-    except ImportError as error:
+    except Exception as error:  # ImportError, or a broken install raising anything else
         raise CannotRunError(
             f"torch is not importable ({error}); install torch (and bitsandbytes>=0.48) to run the check"
         ) from error
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        too_old = Version(Version(str(torch.__version__)).base_version) < Version(MIN_TORCH)
+    except InvalidVersion:
+        too_old = False
+    if too_old:
+        raise CannotRunError(
+            f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} "
+            "(forward hooks that run even when a forward raises); upgrade torch"
+        )
     try:
         import bitsandbytes
-    except ImportError as error:
+    except Exception as error:
         raise CannotRunError(
             f"bitsandbytes is not importable ({error}); install bitsandbytes>=0.48 to run the check"
         ) from error
@@ -61,15 +76,46 @@ def _imports() -> tuple[Any, Any]:
     return torch, parametrize
 
 
+def _device(torch: Any, device: str | None) -> str:
+    """The device to run on; CUDA asked for where there is none is a clear CannotRunError."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if getattr(torch.version, "cuda", None) is None:
+            raise CannotRunError(
+                f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without "
+                "CUDA support; run with --device cpu, or install a CUDA build of torch"
+            )
+        if not torch.cuda.is_available():
+            raise CannotRunError(
+                "--device cuda was asked for, but no CUDA device is available here (check the driver "
+                "and CUDA_VISIBLE_DEVICES); run with --device cpu"
+            )
+    return device
+
+
 def run(device: str | None = None, steps: int = 4, layers: int = 3) -> CheckResult:
-    """Train the synthetic model for ``steps`` steps and record the cache after each."""
+    """Train the synthetic model for ``steps`` steps and record the cache after each.
+
+    Every failure becomes a :class:`CannotRunError`, so the command line's exit status can never
+    be mistaken for "leak observed".
+    """
     torch, parametrize = _imports()
+    device = _device(torch, device)
+    try:
+        return _train(torch, parametrize, device, steps, layers)
+    except Exception as error:
+        raise CannotRunError(
+            f"the synthetic model failed on {device} ({type(error).__name__}: {error}); this says "
+            "nothing about the leak: it is a problem of this torch/bitsandbytes installation"
+        ) from error
+
+
+def _train(torch: Any, parametrize: Any, device: str, steps: int, layers: int) -> CheckResult:
     import torch.nn.utils.parametrize as P
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     experts, width, hidden = 8, 64, 128
 
     class Experts(nn.Module):

@@ -73,11 +73,14 @@ def _facts() -> dict[str, Any]:
     current = fix_status()
     facts.update(
         active=current.active,
+        state=current.state,
         reason=current.reason,
         via=current.via,
         switch=current.switch,
         libraries=[dataclasses.asdict(library) for library in current.libraries],
         cell_end_release=current.cell_end_release,
+        counter=current.counter,
+        cache_bytes=current.cache_bytes,
     )
     return facts
 
@@ -96,31 +99,47 @@ def _import_look_alikes() -> None:
             continue
 
 
+def _print_json(payload: dict[str, Any]) -> None:
+    """The one JSON style of every command: one object on one line, keys sorted."""
+    print(json.dumps(payload, sort_keys=True))
+
+
+_VIA = {"start-up hook": "the start-up hook", "runner": "bnb-gc-fix run", "import": "import bnb_gc_fix"}
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     facts = _facts()
     if args.json:
-        print(json.dumps(facts, indent=2, sort_keys=True))
+        _print_json(facts)
         return 0
 
     def show(value: Any) -> str:
         return "not installed" if value is None else str(value)
 
+    def number(value: int | None) -> str:
+        return "- (torch's parametrization module is not imported)" if value is None else str(value)
+
+    state = facts["state"]
+    if facts["via"] and state in ("patched", "armed"):
+        state += f" (turned on by {_VIA.get(facts['via'], facts['via'])})"
     print(f"bnb-gc-fix {facts['bnb_gc_fix']}")
     print(f"  python         {facts['python']}")
     print(f"  torch          {show(facts['torch'])}")
     print(f"  bitsandbytes   {show(facts['bitsandbytes'])}")
     print(f"  transformers   {show(facts['transformers'])}")
+    print(f"state:           {state}")
+    if not (facts["verdict"] and facts["reason"].startswith(facts["verdict"])):
+        print(f"  why:           {facts['reason']}")  # only when it says more than "affected" below
     affected = {True: "yes", False: "no", None: "no (nothing to judge)"}[facts["affected"]]
     print(f"affected:        {affected}")
     print(f"  why:           {facts['verdict']}")
-    print(f"fix active:      {'yes' if facts['active'] else 'no'}")
-    print(f"  why:           {facts['reason']}")
-    print(f"  turned on by:  {facts['via'] or '-'}")
-    print(f"  start-up hook: {'installed' if facts['startup_hook'] else 'not installed'}")
-    release = "installed" if facts["cell_end_release"] else "not installed (IPython/Jupyter only)"
-    print(f"  cell-end release: {release}")
+    print(f"cache counter:   {number(facts['counter'])}")
+    print(f"cache bytes:     {number(facts['cache_bytes'])}")
+    print(f"start-up hook:   {'installed' if facts['startup_hook'] else 'not installed'}")
     switch = "unset" if facts["switch"] is None else facts["switch"]
-    print(f"  {boot.VARIABLE}:    {switch} (mode {facts['mode']})")
+    print(f"{boot.VARIABLE}:      {switch} (mode {facts['mode']})")
+    release = "installed" if facts["cell_end_release"] else "not installed (IPython/Jupyter only)"
+    print(f"cell-end release: {release}")
     print("libraries:")
     for library in facts["libraries"]:
         affected = {True: "yes", False: "no", None: "not known"}[library["affected"]]
@@ -128,55 +147,71 @@ def _cmd_status(args: argparse.Namespace) -> int:
             f"  {library['name']:<14} {show(library['version'])}: affected {affected}, "
             f"{'patched' if library['patched'] else 'not patched'}"
         )
-        print(f"    why:         {library['reason']}")
+        if library["name"] != "bitsandbytes":  # its sentence is printed above
+            print(f"    why:         {library['reason']}")
     if not facts["libraries"]:
         print("  none imported")
     return 0
 
 
+EXIT_PROTECTED, EXIT_LEAK, EXIT_CANNOT_RUN = 0, 1, 2
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Every path ends with 0, 1 or 2 and, with --json, exactly one JSON object on stdout."""
     from bnb_gc_fix import check
 
     try:
         result = check.run(device=args.device, steps=args.steps)
-    except check.CannotRunError as error:
-        if args.json:
-            print(json.dumps({"error": str(error), "protected": None, "steps": []}))
-        else:
-            print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
-        return 2
+        error = None
+    except check.CannotRunError as cannot:
+        result, error = None, str(cannot)
+    except Exception as unexpected:  # a bug of ours must not read as "leak observed"
+        result, error = None, f"the check itself failed ({type(unexpected).__name__}: {unexpected})"
     current = fix_status()
+    if result is None:
+        code = EXIT_CANNOT_RUN
+    else:
+        code = EXIT_PROTECTED if result.protected else EXIT_LEAK
     if args.json:
-        payload = result.as_dict() | {
-            "bitsandbytes": current.bitsandbytes,
-            "torch": current.torch,
-            "active": current.active,
-            "reason": current.reason,
-        }
-        print(json.dumps(payload))
+        payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
+        if result is not None:
+            payload.update(result.as_dict())
+        payload.update(
+            error=error,
+            exit_code=code,
+            bitsandbytes=current.bitsandbytes,
+            torch=current.torch,
+            active=current.active,
+            state=current.state,
+            reason=current.reason,
+        )
+        _print_json(payload)
+        return code
+    if result is None:
+        print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
+        return code
+    print(
+        f"bnb-gc-fix check: bitsandbytes {current.bitsandbytes}, torch {current.torch}, "
+        f"device {result.device}, fix {current.state}"
+    )
+    print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
+    for step in result.steps:
+        print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
+    if result.protected:
+        print("protected: the counter and the cache were back to zero after every step")
     else:
         print(
-            f"bnb-gc-fix check: bitsandbytes {current.bitsandbytes}, torch {current.torch}, "
-            f"device {result.device}, fix {'active' if current.active else 'not active'}"
+            "LEAK: the parametrization cache stayed switched on after a step, so dequantized weights "
+            f"stay resident. The fix is {current.state} here: {current.reason}."
         )
-        print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
-        for step in result.steps:
-            print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
-        if result.protected:
-            print("protected: the counter and the cache were back to zero after every step")
-        else:
-            state = "active" if current.active else "not active"
-            print(
-                "LEAK: the parametrization cache stayed switched on after a step, so dequantized weights "
-                f"stay resident. The fix is {state} here: {current.reason}."
-            )
-    return 0 if result.protected else 1
+    return code
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from bnb_gc_fix import runner
 
-    command = list(args.command)
+    command = list(args.argv)
     if command and command[0] == "--":
         command = command[1:]
     return runner.run(command)
@@ -188,7 +223,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Diagnose and stop bitsandbytes' 4-bit parametrization cache leak.",
     )
     parser.add_argument("--version", action="version", version=f"bnb-gc-fix {__version__}")
-    commands = parser.add_subparsers(dest="command_name", required=True)
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="{status,check,run}")
 
     status = commands.add_parser(
         "status", help="versions, whether this bitsandbytes is affected, whether the fix is on"
@@ -208,20 +243,28 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run", help="run CMD with the fix switched on at interpreter start: run -- CMD ..."
     )
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, after --")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run, after --")
     run.set_defaults(func=_cmd_run)
     return parser
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give the number of steps, e.g. 4")
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print("\nbnb-gc-fix: give a command, e.g. `bnb-gc-fix check` or `bnb-gc-fix status`", file=sys.stderr)
+        return 2
     result: int = args.func(args)
     return result
 

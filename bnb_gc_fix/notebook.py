@@ -68,7 +68,7 @@ def install() -> bool:
         _registration.shell = shell
         return True
     except Exception as error:  # a shell we do not understand: the fix goes on without the release
-        logger.debug("bnb_gc_fix: cell-end release not installed: %s: %s", type(error).__name__, error)
+        logger.debug("cell-end release not installed: %s: %s", type(error).__name__, error)
         return installed()
 
 
@@ -98,7 +98,7 @@ def _say(message: str, level: int) -> None:
     """The ``bnb_gc_fix`` logger has a NullHandler: a record alone would be invisible in a notebook."""
     logger.log(level, message)
     try:
-        print(message, file=sys.stderr, flush=True)
+        print(f"bnb_gc_fix: {message}", file=sys.stderr, flush=True)
     except Exception:  # a closed or odd stderr
         pass
 
@@ -108,7 +108,7 @@ def _after_cell(result: Any = None) -> None:
     try:
         _check(result)
     except Exception as error:
-        logger.debug("bnb_gc_fix: cell-end release failed: %s: %s", type(error).__name__, error)
+        logger.debug("cell-end release failed: %s: %s", type(error).__name__, error)
 
 
 def _check(result: Any) -> None:
@@ -123,7 +123,7 @@ def _check(result: Any) -> None:
         # the cache again, so put it back to zero.
         gate.reset()
         _say(
-            f"bnb_gc_fix: torch's parametrization cache counter was {count} (a hold given back twice, "
+            f"torch's parametrization cache counter was {count} (a hold given back twice, "
             "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
             logging.WARNING,
         )
@@ -135,7 +135,7 @@ def _check(result: Any) -> None:
         if count != _registration.noted:
             _registration.noted = count
             _say(
-                f"bnb_gc_fix: torch's parametrization cache is still on after this cell (counter {count}, "
+                f"torch's parametrization cache is still on after this cell (counter {count}, "
                 f"{gate.cached_bytes()} bytes cached); bnb_gc_fix.reset() releases it if that is not "
                 "on purpose.",
                 logging.INFO,
@@ -145,7 +145,7 @@ def _check(result: Any) -> None:
     released = gate.reset()
     _registration.noted = None
     _say(
-        f"bnb_gc_fix: released torch's parametrization cache (counter {released}, {cached} bytes cached), "
+        f"released torch's parametrization cache (counter {released}, {cached} bytes cached), "
         f"left switched on by this cell's {type(error).__name__}: {_CAUSE}.",
         logging.WARNING,
     )

@@ -41,7 +41,7 @@ def _register_wrapper(replace_always_called: bool) -> _WrapperFunction:
             if module is not None:
                 gate.install(module, replace_always_called=replace_always_called)
         except Exception:  # never break the user's quantization call
-            logger.exception("bnb_gc_fix: could not install the cache gate on %s", type(module).__name__)
+            logger.exception("could not install the cache gate on %s", type(module).__name__)
         return result
 
     return wrapper

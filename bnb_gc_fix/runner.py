@@ -10,6 +10,7 @@ multiprocessing child is covered. That ``sitecustomize`` still loads the user's 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,12 @@ def run(command: Sequence[str]) -> int:
         print("bnb-gc-fix run: no command given; usage: bnb-gc-fix run -- CMD [ARGS ...]", file=sys.stderr)
         return 2
     env = environment()
+    if shutil.which(command[0], path=env.get("PATH", os.defpath)) is None:
+        if os.sep in command[0] and os.path.exists(command[0]):
+            print(f"bnb-gc-fix run: {command[0]}: permission denied (not executable)", file=sys.stderr)
+            return 126
+        print(f"bnb-gc-fix run: {command[0]}: command not found", file=sys.stderr)
+        return 127
     if os.name == "posix":
         try:
             os.execvpe(command[0], list(command), env)

@@ -1,20 +1,33 @@
-"""Render the README's "Who needs this" table from the version matrix's results.
+"""Render the README's generated parts: the version table and the real console output.
 
 The table between ``<!-- version-table:start -->`` and ``<!-- version-table:end -->`` in
-README.md is generated, never typed by hand:
+README.md is generated from the version matrix, never typed by hand. So is every ``console``
+block between ``<!-- NAME-output:start -->`` and ``<!-- NAME-output:end -->``: each line that
+starts with ``$ `` is a command, run in one bash shell per block from the repository root (so
+``echo $?`` reads the command before it), and what it prints follows it.
 
     python scripts/matrix.py                 # runs the matrix, writes docs/version-matrix.json
-    python scripts/readme_table.py           # rewrites the README's table from that JSON
-    python scripts/readme_table.py --check   # CI: fail if the README's table differs
+    python scripts/readme_table.py           # rewrites the README's table and console output
+    python scripts/readme_table.py --check   # CI: fail if either differs
 
-Only facts the matrix re-proves on every run go in (versions, counters, what the package did,
-verdicts), so the same code gives the same table on every machine.
+Only facts the matrix re-proves on every run go in the table (versions, counters, what the
+package did, verdicts), so the same code gives the same table on every machine. The console
+blocks show this machine's real output (versions included), so ``--check`` also fails when the
+command line's output changes without the README.
+
+The README's Quick start commands (``bash`` blocks between ``<!-- quick-start:start -->`` and
+``<!-- quick-start:end -->``) must be the very lines ``.ci/run`` runs between its
+``# README.md, Quick start`` and ``# end of the README's commands`` markers; ``--check`` and the
+test suite compare them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +36,13 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MATRIX = ROOT / "docs" / "version-matrix.json"
 START, END = "<!-- version-table:start -->", "<!-- version-table:end -->"
+CI_RUN = ROOT / ".ci" / "run"
+QUICK_START, QUICK_END = "<!-- quick-start:start -->", "<!-- quick-start:end -->"
+CI_START, CI_END = "# README.md, Quick start", "# end of the README's commands"
+_CONSOLE = re.compile(r"<!-- (?P<name>[a-z-]+-output):start -->(?P<body>.*?)<!-- (?P=name):end -->", re.S)
+_FENCE = re.compile(r"```console\n(?P<content>.*?)```", re.S)
+# Lines torch and bitsandbytes print on their own on a CPU-only machine; never ours.
+_FOREIGN = ("Failed to load CPU gemm_4bit_forward from kernels-community", "_check_is_size")
 
 
 def _counters(run: dict[str, Any] | None) -> str:
@@ -82,25 +102,107 @@ def _replace(text: str, block: str) -> str:
     return text[:start] + block + text[end:]
 
 
+def _between(text: str, start: str, end: str) -> str:
+    return text[text.index(start) + len(start) : text.index(end)]
+
+
+def quick_start_commands(readme: str | None = None) -> list[str]:
+    """The command lines of the README's Quick start (its ``bash`` blocks), in order."""
+    section = _between(README.read_text() if readme is None else readme, QUICK_START, QUICK_END)
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def ci_commands() -> list[str]:
+    """The lines ``.ci/run`` runs as the README's Quick start."""
+    section = _between(CI_RUN.read_text(), CI_START, CI_END)
+    lines = section.splitlines()[1:]  # the rest of the marker's own line is a comment
+    return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def console_blocks(text: str) -> dict[str, list[str]]:
+    """Every generated console block's commands, by block name."""
+    blocks: dict[str, list[str]] = {}
+    for match in _CONSOLE.finditer(text):
+        commands = blocks.setdefault(match["name"], [])
+        for fence in _FENCE.finditer(match["body"]):
+            commands += [line[2:] for line in fence["content"].splitlines() if line.startswith("$ ")]
+    return blocks
+
+
+def _run_commands(commands: list[str]) -> str:
+    """Run the commands in one bash shell; return the transcript as a console block shows it."""
+    marker = "@@bnb-gc-fix-readme@@"
+    script = "".join(f'__rc=$?; echo "{marker}{i}"; (exit $__rc); {c}\n' for i, c in enumerate(commands))
+    env = {k: v for k, v in os.environ.items() if k not in ("BNB_GC_FIX", "PYTHONPATH")}
+    completed = subprocess.run(
+        ["bash", "-c", script + f'echo "{marker}end"'],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )
+    outputs = re.split(rf"^{re.escape(marker)}(?:\d+|end)\n", completed.stdout, flags=re.M)[1:]
+    lines: list[str] = []
+    for command, output in zip(commands, outputs):
+        lines.append(f"$ {command}")
+        lines += [line for line in output.splitlines() if not any(n in line for n in _FOREIGN)]
+    return "\n".join(lines) + "\n"
+
+
+def render_console(text: str) -> str:
+    """``text`` with every generated console block's output produced afresh."""
+
+    def fence(match: re.Match[str]) -> str:
+        commands = [line[2:] for line in match["content"].splitlines() if line.startswith("$ ")]
+        return f"```console\n{_run_commands(commands)}```"
+
+    def block(match: re.Match[str]) -> str:
+        return match.group(0).replace(match["body"], _FENCE.sub(fence, match["body"]))
+
+    return _CONSOLE.sub(block, text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="fail if the README's table differs")
     parser.add_argument("--matrix", type=Path, default=MATRIX)
+    parser.add_argument("--table-only", action="store_true", help="leave the console blocks alone")
     args = parser.parse_args(argv)
     block = render(json.loads(args.matrix.read_text()))
     text = README.read_text()
     updated = _replace(text, block)
+    with_console = updated if args.table_only else render_console(updated)
     if args.check:
+        failed = 0
         if updated != text:
             print("README.md's version table differs from the matrix results, which say:\n", file=sys.stderr)
             print(block, file=sys.stderr)
-            print("\nrun: python scripts/readme_table.py", file=sys.stderr)
+            failed = 1
+        if with_console != updated:
+            new = [m.group(0) for m in _CONSOLE.finditer(with_console)]
+            old = [m.group(0) for m in _CONSOLE.finditer(updated)]
+            for before, after in zip(old, new):
+                if before != after:
+                    print(f"README.md's console output differs; now:\n{after}\n", file=sys.stderr)
+            failed = 1
+        if quick_start_commands() != ci_commands():
+            print(
+                f"README.md's Quick start commands {quick_start_commands()} are not the lines .ci/run "
+                f"runs {ci_commands()}",
+                file=sys.stderr,
+            )
+            failed = 1
+        if failed:
+            print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
             return 1
-        print("README.md's version table matches the matrix results")
+        print("README.md's version table, console output and Quick start commands match")
         return 0
-    README.write_text(updated)
+    README.write_text(with_console)
     return 0
 
 

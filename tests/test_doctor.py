@@ -72,7 +72,10 @@ def test_check_rejects_bad_arguments() -> None:
 def test_status_json_on_an_affected_bitsandbytes() -> None:
     result = run_python(["-m", "bnb_gc_fix", "status", "--json"])
     assert result.returncode == 0, result.stderr
-    facts = json.loads(result.stdout)
+    [line] = result.stdout.splitlines()  # one object on one line, keys sorted (check --json's style)
+    facts = json.loads(line)
+    assert line == json.dumps(facts, sort_keys=True)
+    assert facts["state"] == "patched" and facts["counter"] == 0 and facts["cache_bytes"] == 0
     assert facts["bitsandbytes"] == "0.49.2" and facts["torch"].startswith("2.13.0")
     assert facts["affected"] is True and facts["in_affected_range"] is True
     assert facts["active"] is True and facts["via"] == "start-up hook"
@@ -87,13 +90,14 @@ def test_status_json_switched_off_still_says_affected() -> None:
     facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], switch="off").stdout)
     assert facts["affected"] is True and facts["active"] is False
     assert facts["mode"] == "off" and facts["switch"] == "off"
-    assert "disabled by the environment" in facts["reason"]
+    assert "disabled by the environment" in facts["reason"] and facts["state"] == "off"
 
 
 def test_status_text_names_versions_and_decision() -> None:
     result = run_python(["-m", "bnb_gc_fix", "status"])
     assert result.returncode == 0
-    for needle in ("bitsandbytes   0.49.2", "affected:        yes", "fix active:      yes", "start-up hook"):
+    needles = ("bitsandbytes   0.49.2", "affected:        yes", "state:           patched", "start-up hook")
+    for needle in needles:
         assert needle in result.stdout
 
 

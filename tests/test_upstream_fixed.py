@@ -25,7 +25,7 @@ def _env(target: Path, switch: str | None = None) -> dict[str, str]:
 def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
     run = tiny_olmoe("--steps", "4", "--import-fix", env=_env(bnb_050))
     assert [s["counter"] for s in run.steps] == [0] * 4
-    assert run.summary["active"] is False
+    assert run.summary["active"] is False and run.summary["state"] == "not needed"
     assert "always_call=True (upstream fix)" in run.summary["reason"]
     assert run.summary["reason"].endswith("nothing to patch")
 
@@ -33,7 +33,7 @@ def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
 def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> None:
     code = (
         "import logging, sys, json\n"
-        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(message)s')\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(name)s: %(message)s')\n"
         "from bitsandbytes.nn import parametrize\n"
         "import bitsandbytes, bnb_gc_fix\n"
         "s = bnb_gc_fix.activate()\n"
