@@ -90,7 +90,7 @@ def main() -> None:
 
     if args.log:
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("LOG %(message)s"))
+        handler.setFormatter(logging.Formatter("LOG %(name)s: %(message)s"))
         logging.getLogger("bnb_gc_fix").addHandler(handler)
         logging.getLogger("bnb_gc_fix").setLevel(logging.DEBUG)
     if args.import_fix:
