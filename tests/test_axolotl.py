@@ -300,6 +300,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "armed: axolotl.monkeypatch.moe_quant is not imported yet; the fix checks and patches it the moment it is"
+        "armed: axolotl.monkeypatch.moe_quant is not imported yet; "
+        "the fix checks and patches it the moment it is"
     ]
     assert facts["patched"] == [True] and facts["hooks"] == ["enter"]
