@@ -192,6 +192,8 @@ def status() -> Status:
     reason = _state.reason
     if _state.pending:
         reason = _pending_reason(bnb) or reason
+    if not gil_enabled():
+        reason = f"{reason}. {UNTESTED_FREE_THREADING}"
     return Status(
         active=_state.active,
         reason=reason,
@@ -204,6 +206,17 @@ def status() -> Status:
         switch=_env_value(),
         via=_state.via if (_state.active or _state.pending) else None,
     )
+
+
+UNTESTED_FREE_THREADING = (
+    "Caution: this Python runs without the GIL (a free-threaded build); the fix then gates with "
+    "a lock (_LockedGate), a path never tested on such a build"
+)
+
+
+def gil_enabled() -> bool:
+    """False on a free-threaded build running without the GIL (``sys._is_gil_enabled()``)."""
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 
 
 def _pending_reason(bnb: str | None) -> str | None:

@@ -4,6 +4,7 @@ The table between ``<!-- version-table:start -->`` and ``<!-- version-table:end 
 README.md is generated, never typed by hand:
 
     python scripts/matrix.py                 # runs the matrix, writes docs/version-matrix.json
+    python scripts/stacks.py                 # runs the stack cells, writes docs/stack-matrix.json
     python scripts/readme_table.py           # rewrites the README's table from that JSON
     python scripts/readme_table.py --check   # CI: fail if the README's table differs
 
@@ -22,6 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MATRIX = ROOT / "docs" / "version-matrix.json"
+STACKS = ROOT / "docs" / "stack-matrix.json"
 START, END = "<!-- version-table:start -->", "<!-- version-table:end -->"
 
 
@@ -39,7 +41,7 @@ def _transformers(cell: dict[str, Any]) -> str:
     return str(version)
 
 
-def _row(cell: dict[str, Any]) -> str:
+def _row(cell: dict[str, Any], python: str, torch: str) -> str:
     kind = cell["kind"]
     bnb = cell.get("bitsandbytes") or "not installed"
     control, fix = cell.get("control"), cell.get("fix")
@@ -56,10 +58,33 @@ def _row(cell: dict[str, Any]) -> str:
     else:
         leak = f"**yes**: counter {_counters(control)}"
         does, result = "patches", f"counter {_counters(fix)}"
-    return f"| {bnb} | {_transformers(cell)} | {leak} | {does} | {result} | {cell['verdict']} |"
+    return f"| {python} | {torch} | {bnb} | {_transformers(cell)} | {leak} | {does} | {result} | {cell['verdict']} |"
 
 
-def render(matrix: dict[str, Any]) -> str:
+def _test(cell: dict[str, Any], name: str) -> dict[str, Any]:
+    return next((t for t in cell["tests"] if t["test"].endswith("::" + name)), {})
+
+
+def _stack_row(cell: dict[str, Any]) -> str:
+    """A stack cell: its `pytest -m stack` run, counters from the tiny OLMoE leak test and its control."""
+    fix = _test(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero")
+    control = _test(cell, "test_tiny_olmoe_control_leaks_without_fix")
+    fixed, leaked = json.loads(fix.get("counters", "[]")), json.loads(control.get("counters", "[]"))
+    shown = {"counters": leaked}, {"counters": fixed}
+    leak = f"**yes**: counter {_counters(shown[0])}" if any(leaked) else f"no (counter {_counters(shown[0])})"
+    does = "patches" if fix.get("active") == "True" else "steps aside"
+    transformers = str(cell["transformers"])
+    if transformers.startswith("4."):
+        transformers += ", `use_reentrant=False`"
+    counts = cell["counts"]
+    verdict = f"{cell['verdict']} ({counts['passed']}/{len(cell['tests'])} stack tests)"
+    return (
+        f"| {cell['python']} | {cell['torch']} | {cell['bitsandbytes']} | {transformers} | {leak} | {does} | "
+        f"counter {_counters(shown[1])} | {verdict} |"
+    )
+
+
+def render(matrix: dict[str, Any], stacks: dict[str, Any]) -> str:
     environment = matrix.get("environment", {})
     python = environment.get("python", "?")
     torch = environment.get("torch", "?")
@@ -67,11 +92,17 @@ def render(matrix: dict[str, Any]) -> str:
         START,
         f"Generated from the version matrix (`python scripts/matrix.py`, re-run by CI on every change) on "
         f"Python {python}, torch {torch}, CPU: the counter is torch's parametrization-cache counter "
-        f"after each of {matrix.get('steps', 3)} checkpointed training steps; above 0 is the leak.",
+        f"after each of {matrix.get('steps', 3)} checkpointed training steps; above 0 is the leak. "
+        "The rows below them are the stack cells (`python scripts/stacks.py`): each its own interpreter "
+        "and torch build (PyPI's CUDA builds, run on the CPU) running the core tests (`pytest -m stack`: "
+        "leak and control, Ctrl-C, threads, torchrun, Trainer, `check`, `status`); counters from its "
+        "5-step tiny OLMoE test.",
         "",
-        "| bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix | with bnb-gc-fix | verdict |",
-        "|---|---|---|---|---|---|",
-        *(_row(cell) for cell in matrix["cells"]),
+        "| Python | torch | bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix "
+        "| with bnb-gc-fix | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_row(cell, python, torch.split("+")[0]) for cell in matrix["cells"]),
+        *(_stack_row(cell) for cell in stacks.get("cells", [])),
         END,
     ]
     return "\n".join(lines)
@@ -88,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--check", action="store_true", help="fail if the README's table differs")
     parser.add_argument("--matrix", type=Path, default=MATRIX)
+    parser.add_argument("--stacks", type=Path, default=STACKS)
     args = parser.parse_args(argv)
-    block = render(json.loads(args.matrix.read_text()))
+    stacks = json.loads(args.stacks.read_text()) if args.stacks.exists() else {}
+    block = render(json.loads(args.matrix.read_text()), stacks)
     text = README.read_text()
     updated = _replace(text, block)
     if args.check:

@@ -25,7 +25,10 @@ def build(  # type: ignore[no-untyped-def]
     device: str = "cpu",
     dtype: str = "float32",
 ):
-    """A random tiny OLMoE whose fused experts are quantized to 4 bits by bitsandbytes.
+    """A random tiny OLMoE whose experts are quantized to 4 bits by bitsandbytes.
+
+    transformers 5 fuses the experts into 3-D weights (quantized as such); 4.x keeps one Linear
+    per projection and expert (each weight quantized).
 
     Only the router gates (``.mlp.gate.``) are trainable, as in a router-only fine-tune. The model
     is moved to ``device`` before quantizing, so the quantization state lives there. Returns
@@ -53,8 +56,14 @@ def build(  # type: ignore[no-untyped-def]
     )
     model = OlmoeForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
     for layer in model.model.layers:
-        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "gate_up_proj", quant_type="nf4")
-        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "down_proj", quant_type="nf4")
+        experts = layer.mlp.experts
+        if isinstance(experts, torch.nn.ModuleList):  # transformers 4.x: one OlmoeMLP of Linears per expert
+            for linear in experts.modules():
+                if isinstance(linear, torch.nn.Linear):
+                    bnb_parametrize.replace_parameter_4bit(linear, "weight", quant_type="nf4")
+        else:  # transformers 5: fused 3-D expert weights
+            bnb_parametrize.replace_parameter_4bit(experts, "gate_up_proj", quant_type="nf4")
+            bnb_parametrize.replace_parameter_4bit(experts, "down_proj", quant_type="nf4")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     for name, parameter in model.named_parameters():
@@ -72,6 +81,15 @@ def build(  # type: ignore[no-untyped-def]
 
         inner.register_forward_hook(hook)
     return model, extra
+
+
+# Non-reentrant checkpointing, the mode that leaks: transformers 5's default, said explicitly
+# because transformers 4.x defaults to reentrant checkpointing (which never leaks).
+CHECKPOINTING = {"use_reentrant": False}
+
+
+def enable_checkpointing(model) -> None:  # type: ignore[no-untyped-def]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
 
 
 def main() -> None:
@@ -92,7 +110,7 @@ def main() -> None:
 
     model, extra = build(layers=args.layers, weight_norm=args.weight_norm)
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     model.config.use_cache = False
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
