@@ -44,18 +44,18 @@ COMMON = ("accelerate>=1.1", "pytest>=7", "hatchling>=1.24", "editables")  # tes
 class Stack:
     name: str
     python: str  # "3.9": a pyenv 3.9.x, else python3.9 on PATH
-    pins: tuple[str, ...]  # torch first
-    extra_tests: tuple[str, ...] = ()  # test files run whole as well, where they exist
-    note: str = ""
+    pins: str  # pip requirements, space-separated, torch first
+    extra_tests: str = ""  # files in tests/ (space-separated) run whole as well, where they exist
 
 
+# One line a stack. oldest: the oldest torch and Python that bitsandbytes 0.48 accepts (transformers 4.x:
+# per-expert Linears, reentrant by default); newest: the newest torch PyPI serves for the newest Python,
+# with an affected and an upstream-fixed bitsandbytes. The reference stack (Python 3.11, torch 2.13.0
+# CPU) is the main test run itself.
 STACKS = [
-    Stack("oldest", "3.9", ("torch==2.3.1", "numpy<2", "bitsandbytes==0.48.0", "transformers==4.57.6"),
-          note="oldest torch and Python bitsandbytes 0.48 accepts; transformers 4.x per-expert Linears"),
-    Stack("newest", "3.13", ("torch==2.15.0", "bitsandbytes==0.49.2", "transformers==5.13.1"),
-          extra_tests=("tests/test_axolotl.py",), note="newest torch for the newest Python"),
-    Stack("newest-0.50", "3.13", ("torch==2.15.0", "bitsandbytes==0.50.2", "transformers==5.13.1"),
-          note="upstream-fixed bitsandbytes: the package steps aside"),
+    Stack("oldest", "3.9", "torch==2.3.1 numpy<2 bitsandbytes==0.48.0 transformers==4.57.6"),
+    Stack("newest", "3.13", "torch==2.15.0 bitsandbytes==0.49.2 transformers==5.13.1", "test_axolotl.py"),
+    Stack("newest-0.50", "3.13", "torch==2.15.0 bitsandbytes==0.50.2 transformers==5.13.1"),
 ]
 
 
@@ -87,7 +87,7 @@ def prepare(stack: Stack, cache: Path) -> Path:
     """The cell's venv, made (or reused while its pins are unchanged); returns its python."""
     venv, wheels = cache / "venvs" / stack.name, cache / "wheels"
     python = venv / "bin" / "python"
-    pins = [*stack.pins, *COMMON]
+    pins = [*stack.pins.split(), *COMMON]
     stamp = json.dumps({"python": stack.python, "pins": pins})
     if not (python.exists() and (venv / ".stack-ok").exists() and (venv / ".stack-ok").read_text() == stamp):
         shutil.rmtree(venv, ignore_errors=True)
@@ -96,7 +96,7 @@ def prepare(stack: Stack, cache: Path) -> Path:
         log(f"{stack.name}: making {venv} with {base}; downloading into {wheels} what is missing")
         sh([base, "-m", "venv", str(venv)])
         constraint = venv / "torch-constraint.txt"  # replaces the machine-wide torch cap, for this cell
-        constraint.write_text(stack.pins[0] + "\n")
+        constraint.write_text(pins[0] + "\n")
         env = dict(os.environ, PIP_CONSTRAINT=str(constraint), PIP_DISABLE_PIP_VERSION_CHECK="1")
         sh([str(python), "-m", "pip", "download", "-q", "-d", str(wheels), *pins], env=env)
         sh([str(python), "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels), *pins], env=env)
@@ -121,8 +121,14 @@ def junit(path: Path) -> list[dict[str, Any]]:
             if case.find(child) is not None:
                 outcome = name
         properties = {p.get("name"): p.get("value") for p in case.iter("property")}
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": round(float(case.get("time") or 0), 1), **properties})
+        tests.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": round(float(case.get("time") or 0), 1),
+                **properties,
+            }
+        )
     return tests
 
 
@@ -130,18 +136,25 @@ def run_stack(stack: Stack, cache: Path) -> dict[str, Any]:
     started = time.monotonic()
     python = prepare(stack, cache)
     setup = round(time.monotonic() - started, 1)
-    row: dict[str, Any] = {"cell": stack.name, "pins": list(stack.pins), "note": stack.note,
-                           "setup_seconds": setup}
+    row: dict[str, Any] = {"cell": stack.name, "pins": stack.pins.split(), "setup_seconds": setup}
     row.update(json.loads(sh([str(python), "-c", VERSIONS])))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BNB_GC_FIX", "VIRTUAL_ENV")}
     runs = [["-m", "stack", "tests"]]
-    runs += [[path] for path in stack.extra_tests if (REPO / path).exists()]
+    runs += [[f"tests/{name}"] for name in stack.extra_tests.split() if (REPO / "tests" / name).exists()]
     tests, tails = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for index, selection in enumerate(runs):
             report = Path(tmp) / f"junit{index}.xml"
-            command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                       *selection]
+            command = [
+                str(python),
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={report}",
+                *selection,
+            ]
             log(f"{stack.name}: {' '.join(command[1:])}")
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, check=False)
             tails.append(done.stdout[-3000:])
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for stack in STACKS:
-            print(f"{stack.name:14} python{stack.python:5} {' '.join(stack.pins)}")
+            print(f"{stack.name:14} python{stack.python:5} {stack.pins}")
         return 0
     started = time.monotonic()
     rows = []
@@ -186,18 +199,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     seconds = round(time.monotonic() - started, 1)
     for row in rows:
-        print(f"{row['cell']:14} {row['verdict']}  Python {row['python']}, torch {row['torch']}, "
-              f"bitsandbytes {row['bitsandbytes']}, transformers {row['transformers']}: {row['counts']}; "
-              f"setup {row['setup_seconds']} s, tests {row['test_seconds']} s")
+        print(
+            f"{row['cell']:14} {row['verdict']}  Python {row['python']}, torch {row['torch']}, "
+            f"bitsandbytes {row['bitsandbytes']}, transformers {row['transformers']}: {row['counts']}; "
+            f"setup {row['setup_seconds']} s, tests {row['test_seconds']} s"
+        )
     if not args.only and not args.no_write:
         generated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        payload = {"generated_by": "python scripts/stacks.py", "generated": generated, "seconds": seconds,
-                   "cells": rows}
+        payload = {
+            "generated_by": "python scripts/stacks.py",
+            "generated": generated,
+            "seconds": seconds,
+            "cells": rows,
+        }
         args.output.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.output}")
     failed = [row["cell"] for row in rows if row["verdict"] != "PASS"]
-    print(f"stacks: {len(rows) - len(failed)}/{len(rows)} cells PASS in {seconds:.0f} s"
-          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        f"stacks: {len(rows) - len(failed)}/{len(rows)} cells PASS in {seconds:.0f} s"
+        + (f"; FAILED: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -20,7 +20,6 @@ SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 TINY_OLMOE = SCENARIOS / "tiny_olmoe.py"
 
 
-
 def installed(distribution: str) -> str | None:
     """The installed version of ``distribution`` (what the children will import), or None."""
     try:
