@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 OLMOE = REPO / "tests" / "scenarios" / "tiny_olmoe.py"
-LLAMA = REPO / "scripts" / "scenarios" / "tiny_llama_linear.py"
+LLAMA = REPO / "tests" / "scenarios" / "tiny_llama_linear.py"
 WITH_STATUS = REPO / "scripts" / "scenarios" / "with_status.py"
 SWITCH = "BNB_GC_FIX"
 TF4_SPEC = "transformers==4.57.6"

@@ -106,7 +106,7 @@ bytes left in its cache at the end; a counter above 0 after a step is the leak.
   fused 3-D experts quantized with `replace_parameter_4bit`).
 - transformers 4.57 cells: `pip install --no-deps --target` of the latest 4.57 patch plus the
   dependencies of it the environment does not satisfy (from `pip install --dry-run --report`,
-  e.g. `huggingface_hub<1.0`); they train `scripts/scenarios/tiny_llama_linear.py` (tiny random
+  e.g. `huggingface_hub<1.0`); they train `tests/scenarios/tiny_llama_linear.py` (tiny random
   Llama whose 2-D `nn.Linear` weights are quantized with `replace_parameter_4bit`).
   `non-reentrant` is
   `gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}})`;

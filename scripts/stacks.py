@@ -36,8 +36,14 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+import tomllib  # the runner needs Python >= 3.11; the cells do not
+
 REPO = Path(__file__).resolve().parent.parent
-COMMON = ("accelerate>=1.1", "pytest>=7", "hatchling>=1.24", "editables")  # test and build tools
+# Every cell also gets the package's own dependencies, test tools, and what an editable build needs.
+COMMON = (
+    *tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"],
+    *("accelerate>=1.1", "pytest>=7", "hatchling>=1.24", "editables"),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,16 +25,44 @@ def build(  # type: ignore[no-untyped-def]
     device: str = "cpu",
     dtype: str = "float32",
 ):
-    """A random tiny OLMoE whose experts are quantized to 4 bits by bitsandbytes.
+    """A random tiny OLMoE whose fused experts are quantized to 4 bits by bitsandbytes.
 
-    transformers 5 fuses the experts into 3-D weights (quantized as such); 4.x keeps one Linear
-    per projection and expert (each weight quantized).
+    That is transformers 5; on 4.x (no fused experts) it is the tiny Llama of
+    ``tiny_llama_linear.py`` instead, whose every Linear weight is quantized.
 
-    Only the router gates (``.mlp.gate.``) are trainable, as in a router-only fine-tune. The model
-    is moved to ``device`` before quantizing, so the quantization state lives there. Returns
-    ``(model, extra)``, ``extra`` being the weight_norm Linear when asked for. The benchmarks build
-    their model here too.
+    On transformers 5 only the router gates (``.mlp.gate.``) are trainable, as in a router-only
+    fine-tune. The model is moved to ``device`` before quantizing, so the quantization state lives
+    there. Returns ``(model, extra)``, ``extra`` being the weight_norm Linear when asked for. The
+    benchmarks build their model here too.
     """
+    import torch
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # transformers 4.x keeps one Linear per projection and expert, and the recompute of its
+        # OLMoE layer stops outside them: no leak to show. There the bug's shape is a dense model
+        # whose quantized Linears end each layer (tiny_llama_linear.py), trained the same way.
+        import tiny_llama_linear
+
+        model, _ = tiny_llama_linear.build(layers, hidden, device=device, dtype=dtype)
+    else:
+        model = _olmoe(layers, experts, hidden, device, dtype)
+    extra = None
+    if weight_norm:
+        # A trainable weight_norm Linear beside the quantized experts, used on every step.
+        extra = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(hidden, hidden))
+        model.model.layers[0].extra = extra
+        inner = model.model.layers[0].mlp
+
+        def hook(module, args, output):  # type: ignore[no-untyped-def]
+            return output + extra(output)
+
+        inner.register_forward_hook(hook)
+    return model, extra
+
+
+def _olmoe(layers: int, experts: int, hidden: int, device: str, dtype: str):  # type: ignore[no-untyped-def]
+    """transformers 5: the experts are fused 3-D weights, quantized as such; only the router trains."""
     import torch
     from bitsandbytes.nn import parametrize as bnb_parametrize
     from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -56,31 +84,14 @@ def build(  # type: ignore[no-untyped-def]
     )
     model = OlmoeForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
     for layer in model.model.layers:
-        experts = layer.mlp.experts
-        if isinstance(experts, torch.nn.ModuleList):  # transformers 4.x: one OlmoeMLP of Linears per expert
-            for linear in experts.modules():
-                if isinstance(linear, torch.nn.Linear):
-                    bnb_parametrize.replace_parameter_4bit(linear, "weight", quant_type="nf4")
-        else:  # transformers 5: fused 3-D expert weights
-            bnb_parametrize.replace_parameter_4bit(experts, "gate_up_proj", quant_type="nf4")
-            bnb_parametrize.replace_parameter_4bit(experts, "down_proj", quant_type="nf4")
+        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "gate_up_proj", quant_type="nf4")
+        bnb_parametrize.replace_parameter_4bit(layer.mlp.experts, "down_proj", quant_type="nf4")
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     for name, parameter in model.named_parameters():
         if ".mlp.gate." in name:
             parameter.requires_grad_(True)
-    extra = None
-    if weight_norm:
-        # A trainable weight_norm Linear beside the quantized experts, used on every step.
-        extra = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(hidden, hidden))
-        model.model.layers[0].extra = extra
-        inner = model.model.layers[0].mlp
-
-        def hook(module, args, output):  # type: ignore[no-untyped-def]
-            return output + extra(output)
-
-        inner.register_forward_hook(hook)
-    return model, extra
+    return model
 
 
 # Non-reentrant checkpointing, the mode that leaks: transformers 5's default, said explicitly
