@@ -364,6 +364,8 @@ def status() -> Status:
     if bnb.pending:
         reason = _pending_reason(version) or reason
     counter, cache_bytes = _cache_now()
+    if not gil_enabled():
+        reason = f"{reason}. {UNTESTED_FREE_THREADING}"
     return Status(
         active=bnb.patched,
         reason=reason,
@@ -391,6 +393,17 @@ def status() -> Status:
         counter=counter,
         cache_bytes=cache_bytes,
     )
+
+
+UNTESTED_FREE_THREADING = (
+    "Caution: this Python runs without the GIL (a free-threaded build); the fix then gates with "
+    "a lock (_LockedGate), a path never tested on such a build"
+)
+
+
+def gil_enabled() -> bool:
+    """False on a free-threaded build running without the GIL (``sys._is_gil_enabled()``)."""
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
 
 
 def _pending_reason(bnb: str | None) -> str | None:

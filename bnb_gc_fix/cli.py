@@ -14,6 +14,7 @@ from typing import Any
 
 import _bnb_gc_fix_boot as boot
 from bnb_gc_fix import __version__, decide
+from bnb_gc_fix.activation import gil_enabled
 from bnb_gc_fix.activation import status as fix_status
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
 
@@ -33,6 +34,7 @@ def _facts() -> dict[str, Any]:
     facts: dict[str, Any] = {
         "bnb_gc_fix": __version__,
         "python": platform.python_version(),
+        "gil": gil_enabled(),  # False: free-threaded build without the GIL (an untested path)
         "torch": None,
         "bitsandbytes": None,
         "transformers": _distribution_version("transformers"),
@@ -124,6 +126,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         state += f" (turned on by {_VIA.get(facts['via'], facts['via'])})"
     print(f"bnb-gc-fix {facts['bnb_gc_fix']}")
     print(f"  python         {facts['python']}")
+    if not facts["gil"]:
+        print("  free-threaded: the GIL is off; the fix's locked gate is untested on such a build")
     print(f"  torch          {show(facts['torch'])}")
     print(f"  bitsandbytes   {show(facts['bitsandbytes'])}")
     print(f"  transformers   {show(facts['transformers'])}")

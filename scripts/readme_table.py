@@ -7,6 +7,7 @@ starts with ``$ `` is a command, run in one bash shell per block from the reposi
 ``echo $?`` reads the command before it), and what it prints follows it.
 
     python scripts/matrix.py                 # runs the matrix, writes docs/version-matrix.json
+    python scripts/stacks.py                 # runs the stack cells, writes docs/stack-matrix.json
     python scripts/readme_table.py           # rewrites the README's table and console output
     python scripts/readme_table.py --check   # CI: fail if either differs
 
@@ -35,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MATRIX = ROOT / "docs" / "version-matrix.json"
+STACKS = ROOT / "docs" / "stack-matrix.json"
 START, END = "<!-- version-table:start -->", "<!-- version-table:end -->"
 CI_RUN = ROOT / ".ci" / "run"
 QUICK_START, QUICK_END = "<!-- quick-start:start -->", "<!-- quick-start:end -->"
@@ -59,7 +61,7 @@ def _transformers(cell: dict[str, Any]) -> str:
     return str(version)
 
 
-def _row(cell: dict[str, Any]) -> str:
+def _row(cell: dict[str, Any], python: str, torch: str) -> str:
     kind = cell["kind"]
     bnb = cell.get("bitsandbytes") or "not installed"
     control, fix = cell.get("control"), cell.get("fix")
@@ -76,10 +78,36 @@ def _row(cell: dict[str, Any]) -> str:
     else:
         leak = f"**yes**: counter {_counters(control)}"
         does, result = "patches", f"counter {_counters(fix)}"
-    return f"| {bnb} | {_transformers(cell)} | {leak} | {does} | {result} | {cell['verdict']} |"
+    cells = [python, torch, bnb, _transformers(cell), leak, does, result, cell["verdict"]]
+    return "| " + " | ".join(cells) + " |"
 
 
-def render(matrix: dict[str, Any]) -> str:
+def _test(cell: dict[str, Any], name: str) -> dict[str, Any]:
+    return next((t for t in cell["tests"] if t["test"].endswith("::" + name)), {})
+
+
+def _stack_row(cell: dict[str, Any]) -> str:
+    """A stack cell: its `pytest -m stack` run, counters from the tiny OLMoE leak test and its control."""
+    fix = _test(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero")
+    control = _test(cell, "test_tiny_olmoe_control_leaks_without_fix")
+    fixed, leaked = json.loads(fix.get("counters", "[]")), json.loads(control.get("counters", "[]"))
+    shown = {"counters": leaked}, {"counters": fixed}
+    does = "patches" if fix.get("active") == "True" else "steps aside"
+    leak = f"no: upstream fix (counter {_counters(shown[0])})" if does == "steps aside" else "no"
+    if any(leaked):
+        leak = f"**yes**: counter {_counters(shown[0])}"
+    transformers = str(cell["transformers"])
+    if transformers.startswith("4."):
+        transformers += ", `use_reentrant=False`"
+    counts = cell["counts"]
+    verdict = f"{cell['verdict']} ({counts['passed']}/{len(cell['tests'])} stack tests)"
+    return (
+        f"| {cell['python']} | {cell['torch']} | {cell['bitsandbytes']} | {transformers} | {leak} | {does} | "
+        f"counter {_counters(shown[1])} | {verdict} |"
+    )
+
+
+def render(matrix: dict[str, Any], stacks: dict[str, Any]) -> str:
     environment = matrix.get("environment", {})
     python = environment.get("python", "?")
     torch = environment.get("torch", "?")
@@ -87,11 +115,17 @@ def render(matrix: dict[str, Any]) -> str:
         START,
         f"Generated from the version matrix (`python scripts/matrix.py`, re-run by CI on every change) on "
         f"Python {python}, torch {torch}, CPU: the counter is torch's parametrization-cache counter "
-        f"after each of {matrix.get('steps', 3)} checkpointed training steps; above 0 is the leak.",
+        f"after each of {matrix.get('steps', 3)} checkpointed training steps; above 0 is the leak. "
+        "The rows below them are the stack cells (`python scripts/stacks.py`): each its own interpreter "
+        "and torch build (PyPI's CUDA builds, run on the CPU) running the core tests (`pytest -m stack`: "
+        "leak and control, Ctrl-C, threads, torchrun, Trainer, `check`, `status`); counters from its "
+        "5-step leak test (tiny OLMoE; on transformers 4.x a tiny Llama, the shape that leaks there).",
         "",
-        "| bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix | with bnb-gc-fix | verdict |",
-        "|---|---|---|---|---|---|",
-        *(_row(cell) for cell in matrix["cells"]),
+        "| Python | torch | bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix "
+        "| with bnb-gc-fix | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+        *(_row(cell, python, torch.split("+")[0]) for cell in matrix["cells"]),
+        *(_stack_row(cell) for cell in stacks.get("cells", [])),
         END,
     ]
     return "\n".join(lines)
@@ -172,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if the README's table differs")
     parser.add_argument("--matrix", type=Path, default=MATRIX)
     parser.add_argument("--table-only", action="store_true", help="leave the console blocks alone")
+    parser.add_argument("--stacks", type=Path, default=STACKS)
     args = parser.parse_args(argv)
-    block = render(json.loads(args.matrix.read_text()))
+    stacks = json.loads(args.stacks.read_text()) if args.stacks.exists() else {}
+    block = render(json.loads(args.matrix.read_text()), stacks)
     text = README.read_text()
     updated = _replace(text, block)
     with_console = updated if args.table_only else render_console(updated)

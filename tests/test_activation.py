@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import (
+    AFFECTED,
     ROOT,
     SCENARIOS,
     TINY_OLMOE,
@@ -73,18 +74,23 @@ def _site_packages(python: Path) -> Path:
 # --- the start-up hook ----------------------------------------------------------------------------
 
 
+@pytest.mark.stack
 def test_startup_hook_fixes_a_script_that_never_imports_the_package() -> None:
     run = tiny_olmoe("--steps", "5")
     assert [s["counter"] for s in run.steps] == [0] * 5
     assert run.summary["bnb_gc_fix_imported"] is True
-    assert run.summary["via"] == "start-up hook"
-    assert run.summary["active"] is True
+    assert run.summary["via"] == ("start-up hook" if AFFECTED else None)
+    assert run.summary["active"] is AFFECTED
 
 
+@pytest.mark.stack
 def test_startup_hook_control_switched_off_leaks() -> None:
     run = tiny_olmoe("--steps", "5", switch="0")
     counters = [s["counter"] for s in run.steps]
-    assert counters[-1] > counters[0] > 0
+    if AFFECTED:
+        assert counters[-1] > counters[0] > 0
+    else:
+        assert counters == [0] * 5
     assert run.summary["bnb_gc_fix_imported"] is False
 
 
@@ -302,19 +308,21 @@ def _torchrun(switch: str | None, results: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+@pytest.mark.stack
 def test_torchrun_two_ranks_are_covered_without_importing_the_package(tmp_path: Path) -> None:
     records = _torchrun(None, tmp_path)
     steps = [r for r in records if "step" in r]
     assert sorted({r["rank"] for r in steps}) == [0, 1]
     assert all(r["counter"] == 0 for r in steps) and len(steps) == 6
     summaries = [r["summary"] for r in records if "summary" in r]
-    assert [s["via"] for s in summaries] == ["start-up hook", "start-up hook"]
+    assert [s["via"] for s in summaries] == ["start-up hook" if AFFECTED else None] * 2
 
 
+@pytest.mark.stack
 def test_torchrun_control_switched_off_leaks_on_both_ranks(tmp_path: Path) -> None:
     records = _torchrun("0", tmp_path)
     last = {r["rank"]: r["counter"] for r in records if "step" in r}
-    assert last[0] > 0 and last[1] > 0
+    assert (last[0] > 0 and last[1] > 0) if AFFECTED else last == {0: 0, 1: 0}
 
 
 PENDING = (

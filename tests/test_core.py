@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
-from conftest import SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, tiny_olmoe
+from conftest import AFFECTED, FIX, SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, tiny_olmoe
 
 PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
 
@@ -13,22 +14,30 @@ PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
 # --- the bug report's reproduction -------------------------------------------------------------
 
 
-def test_tiny_olmoe_with_fix_ends_every_step_at_zero() -> None:
+@pytest.mark.stack
+def test_tiny_olmoe_with_fix_ends_every_step_at_zero(record_property: Any) -> None:
     run = tiny_olmoe("--steps", "5", "--import-fix")
+    record_property("counters", [s["counter"] for s in run.steps])
+    record_property("active", run.summary["active"])
     assert len(run.steps) == 5
     assert [s["counter"] for s in run.steps] == [0] * 5
     assert [s["cache_bytes"] for s in run.steps] == [0] * 5
-    assert run.summary["active"] is True
+    assert run.summary["active"] is AFFECTED  # on a fixed bitsandbytes it steps aside: upstream holds
     assert run.summary["error"] is None
 
 
-def test_tiny_olmoe_control_leaks_without_fix() -> None:
+@pytest.mark.stack
+def test_tiny_olmoe_control_leaks_without_fix(record_property: Any) -> None:
     run = tiny_olmoe("--steps", "5", "--import-fix", switch="0")
     counters = [s["counter"] for s in run.steps]
+    record_property("counters", counters)
+    assert run.summary["active"] is False
+    if not AFFECTED:  # upstream's fix (>= 0.50): no leak even without the package
+        assert counters == [0] * 5 and run.steps[-1]["cache_bytes"] == 0
+        return
     assert counters[0] > 0
     assert all(b > a for a, b in zip(counters, counters[1:])), counters
     assert run.steps[-1]["cache_bytes"] > 0
-    assert run.summary["active"] is False
 
 
 def test_losses_with_fix_equal_losses_without_checkpointing() -> None:
@@ -123,14 +132,19 @@ print(json.dumps([after_interrupt, after_next_forward, before_delete, after_dele
 )
 
 
+@pytest.mark.stack
 def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
-    after_interrupt, after_next, before_delete, after_delete = json.loads(run_code(INTERRUPT).stdout)
+    # FIX: auto on an affected bitsandbytes; force on a fixed one, whose Ctrl-C still leaks
+    after_interrupt, after_next, before_delete, after_delete = json.loads(
+        run_code(INTERRUPT, switch=FIX).stdout
+    )
     assert after_interrupt == 1  # torch ran no forward hook: the hold is still there...
     assert after_next == 0  # ...until the module's next forward releases it
     assert before_delete == 1
     assert after_delete == 0  # or until the module is garbage-collected
 
 
+@pytest.mark.stack
 def test_keyboard_interrupt_control_stays_stuck() -> None:
     after_interrupt, after_next, _, after_delete = json.loads(run_code(INTERRUPT, switch="0").stdout)
     assert after_interrupt == 2  # two plain pairs, both pre-hooks ran
@@ -385,12 +399,15 @@ print(json.dumps(quantized.counter()))
 )
 
 
+@pytest.mark.stack
 def test_threads_end_with_counter_at_zero() -> None:
-    assert json.loads(run_code(THREADS).stdout) == 0
+    assert json.loads(run_code(THREADS, switch=FIX).stdout) == 0
 
 
+@pytest.mark.stack
 def test_threads_control_leaks_on_raising_forwards() -> None:
-    assert json.loads(run_code(THREADS, switch="0").stdout) > 0
+    counter = json.loads(run_code(THREADS, switch="0").stdout)
+    assert counter > 0 if AFFECTED else counter == 0  # upstream's always_call hook pairs them
 
 
 # --- bitsandbytes internals that do not look as expected --------------------------------------

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, run_code, run_python, tiny_olmoe
+from conftest import AFFECTED, BITSANDBYTES, SCENARIOS, TORCH, run_code, run_python, tiny_olmoe
 
 # --- check -------------------------------------------------------------------------------------
 
 
+@pytest.mark.stack
 def test_check_exits_0_when_protected() -> None:
     result = run_python(["-m", "bnb_gc_fix", "check", "--device", "cpu", "--steps", "3"])
     assert result.returncode == 0, result.stderr
@@ -20,9 +21,13 @@ def test_check_exits_0_when_protected() -> None:
     assert rows == [["1", "0", "0"], ["2", "0", "0"], ["3", "0", "0"]]
 
 
+@pytest.mark.stack
 def test_check_control_exits_1_when_switched_off() -> None:
     console = str(Path(sys.executable).parent / "bnb-gc-fix")
     result = run_python(["check", "--device", "cpu", "--json"], switch="0", executable=console)
+    if not AFFECTED:  # upstream's fix holds without the package
+        assert result.returncode == 0 and json.loads(result.stdout)["protected"] is True, result.stderr
+        return
     assert result.returncode == 1, result.stderr
     payload = json.loads(result.stdout)
     assert payload["protected"] is False and payload["active"] is False
@@ -69,18 +74,20 @@ def test_check_rejects_bad_arguments() -> None:
 # --- status ------------------------------------------------------------------------------------
 
 
+@pytest.mark.stack
 def test_status_json_on_an_affected_bitsandbytes() -> None:
     result = run_python(["-m", "bnb_gc_fix", "status", "--json"])
     assert result.returncode == 0, result.stderr
     [line] = result.stdout.splitlines()  # one object on one line, keys sorted (check --json's style)
     facts = json.loads(line)
     assert line == json.dumps(facts, sort_keys=True)
-    assert facts["state"] == "patched" and facts["counter"] == 0 and facts["cache_bytes"] == 0
-    assert facts["bitsandbytes"] == "0.49.2" and facts["torch"].startswith("2.13.0")
-    assert facts["affected"] is True and facts["in_affected_range"] is True
-    assert facts["active"] is True and facts["via"] == "start-up hook"
+    assert facts["state"] == ("patched" if AFFECTED else "not needed")
+    assert facts["counter"] == 0 and facts["cache_bytes"] == 0
+    assert facts["bitsandbytes"] == BITSANDBYTES and str(TORCH).startswith(facts["torch"].split("+")[0])
+    assert facts["affected"] is AFFECTED and facts["in_affected_range"] is AFFECTED
+    assert facts["active"] is AFFECTED and facts["via"] == ("start-up hook" if AFFECTED else None)
     assert facts["startup_hook"] is True
-    assert "plain forward hook pair" in facts["probe"]
+    assert ("plain forward hook pair" if AFFECTED else "always_call=True") in facts["probe"]
     assert facts["switch"] is None and facts["mode"] == "auto"
     for key in ("python", "transformers", "reason", "verdict", "bnb_gc_fix"):
         assert facts[key]
@@ -93,11 +100,13 @@ def test_status_json_switched_off_still_says_affected() -> None:
     assert "disabled by the environment" in facts["reason"] and facts["state"] == "off"
 
 
+@pytest.mark.stack
 def test_status_text_names_versions_and_decision() -> None:
     result = run_python(["-m", "bnb_gc_fix", "status"])
     assert result.returncode == 0
-    needles = ("bitsandbytes   0.49.2", "affected:        yes", "state:           patched", "start-up hook")
-    for needle in needles:
+    yes = "yes" if AFFECTED else "no"
+    state = "patched (turned on by the start-up hook)" if AFFECTED else "not needed"
+    for needle in (f"bitsandbytes   {BITSANDBYTES}", f"affected:        {yes}", f"state:           {state}"):
         assert needle in result.stdout
 
 
@@ -164,6 +173,7 @@ print(json.dumps([quantized.counter(), ours]))
 # --- the Hugging Face Trainer --------------------------------------------------------------------
 
 
+@pytest.mark.stack
 @pytest.mark.parametrize("callback", [True, False], ids=["with-callback", "control-without"])
 def test_trainer_with_leak_guard_callback(callback: bool) -> None:
     result = run_python(
@@ -174,7 +184,9 @@ def test_trainer_with_leak_guard_callback(callback: bool) -> None:
     assert facts["steps"] == 4
     if callback:
         assert facts["counters"] == [0, 0, 0, 0]
-        assert facts["released"] > 0
+        assert (facts["released"] > 0) is AFFECTED  # nothing to release on a fixed bitsandbytes
         assert "transformers" not in facts["imported_by_package"]
-    else:
+    elif AFFECTED:
         assert facts["counters"][-1] > facts["counters"][0] > 0
+    else:
+        assert facts["counters"] == [0, 0, 0, 0]

@@ -17,7 +17,7 @@ import torch.nn.utils.parametrize as P
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tiny_olmoe import build
+from tiny_olmoe import build, enable_checkpointing
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.set_num_threads(1)
     model, _ = build(layers=2)
-    model.gradient_checkpointing_enable()
+    enable_checkpointing(model)
     model.config.use_cache = False
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

@@ -1,6 +1,6 @@
 """What the training scenarios print: torch's cache state after a step, and a closing summary.
 
-Shared by ``tiny_olmoe.py`` and the matrix's ``scripts/scenarios/tiny_llama_linear.py`` so that
+Shared by ``tiny_olmoe.py`` and ``tiny_llama_linear.py`` so that
 every scenario reports the same fields the same way, one JSON object per line.
 """
 

@@ -27,11 +27,42 @@ def build(  # type: ignore[no-untyped-def]
 ):
     """A random tiny OLMoE whose fused experts are quantized to 4 bits by bitsandbytes.
 
-    Only the router gates (``.mlp.gate.``) are trainable, as in a router-only fine-tune. The model
-    is moved to ``device`` before quantizing, so the quantization state lives there. Returns
-    ``(model, extra)``, ``extra`` being the weight_norm Linear when asked for. The benchmarks build
-    their model here too.
+    That is transformers 5; on 4.x (no fused experts) it is the tiny Llama of
+    ``tiny_llama_linear.py`` instead, whose every Linear weight is quantized.
+
+    On transformers 5 only the router gates (``.mlp.gate.``) are trainable, as in a router-only
+    fine-tune. The model is moved to ``device`` before quantizing, so the quantization state lives
+    there. Returns ``(model, extra)``, ``extra`` being the weight_norm Linear when asked for. The
+    benchmarks build their model here too.
     """
+    import torch
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        # transformers 4.x keeps one Linear per projection and expert, and the recompute of its
+        # OLMoE layer stops outside them: no leak to show. There the bug's shape is a dense model
+        # whose quantized Linears end each layer (tiny_llama_linear.py), trained the same way.
+        import tiny_llama_linear
+
+        model, _ = tiny_llama_linear.build(layers, hidden, device=device, dtype=dtype)
+    else:
+        model = _olmoe(layers, experts, hidden, device, dtype)
+    extra = None
+    if weight_norm:
+        # A trainable weight_norm Linear beside the quantized experts, used on every step.
+        extra = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(hidden, hidden))
+        model.model.layers[0].extra = extra
+        inner = model.model.layers[0].mlp
+
+        def hook(module, args, output):  # type: ignore[no-untyped-def]
+            return output + extra(output)
+
+        inner.register_forward_hook(hook)
+    return model, extra
+
+
+def _olmoe(layers: int, experts: int, hidden: int, device: str, dtype: str):  # type: ignore[no-untyped-def]
+    """transformers 5: the experts are fused 3-D weights, quantized as such; only the router trains."""
     import torch
     from bitsandbytes.nn import parametrize as bnb_parametrize
     from transformers import OlmoeConfig, OlmoeForCausalLM
@@ -60,18 +91,16 @@ def build(  # type: ignore[no-untyped-def]
     for name, parameter in model.named_parameters():
         if ".mlp.gate." in name:
             parameter.requires_grad_(True)
-    extra = None
-    if weight_norm:
-        # A trainable weight_norm Linear beside the quantized experts, used on every step.
-        extra = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(hidden, hidden))
-        model.model.layers[0].extra = extra
-        inner = model.model.layers[0].mlp
+    return model
 
-        def hook(module, args, output):  # type: ignore[no-untyped-def]
-            return output + extra(output)
 
-        inner.register_forward_hook(hook)
-    return model, extra
+# Non-reentrant checkpointing, the mode that leaks: transformers 5's default, said explicitly
+# because transformers 4.x defaults to reentrant checkpointing (which never leaks).
+CHECKPOINTING = {"use_reentrant": False}
+
+
+def enable_checkpointing(model) -> None:  # type: ignore[no-untyped-def]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=CHECKPOINTING)
 
 
 def main() -> None:
@@ -92,7 +121,7 @@ def main() -> None:
 
     model, extra = build(layers=args.layers, weight_norm=args.weight_norm)
     if not args.no_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
     model.config.use_cache = False
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]

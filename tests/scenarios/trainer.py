@@ -17,7 +17,7 @@ import torch.nn.utils.parametrize as P  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from tiny_olmoe import build  # noqa: E402
+from tiny_olmoe import CHECKPOINTING, build  # noqa: E402
 
 
 class Recorder(TrainerCallback):
@@ -59,6 +59,7 @@ def main() -> None:
             output_dir=output_dir,
             use_cpu=True,
             gradient_checkpointing=True,
+            gradient_checkpointing_kwargs=CHECKPOINTING,
             max_steps=4,
             per_device_train_batch_size=1,
             learning_rate=1e-2,

@@ -5,7 +5,7 @@ Works with transformers 4.57.x and 5.x. Every ``nn.Linear`` inside the decoder l
 ``Linear4bit``), the embeddings and RMS norms stay trainable, and the model is trained for a few
 steps under transformers' own gradient checkpointing:
 
-    python scripts/scenarios/tiny_llama_linear.py --steps 3 --layers 2 \
+    python tests/scenarios/tiny_llama_linear.py --steps 3 --layers 2 \
         [--checkpointing non-reentrant|reentrant|default|off] [--import-fix]
 
 ``default`` calls ``gradient_checkpointing_enable()`` without kwargs, i.e. whatever the installed
@@ -17,15 +17,12 @@ imported. One JSON line per step (``counter``, ``cache_bytes``), then ``{"summar
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "scenarios"))
 import report
 
 
-def build(layers: int, hidden: int = 64) -> Any:
+def build(layers: int, hidden: int = 64, device: str = "cpu", dtype: str = "float32") -> Any:
     import torch
     from bitsandbytes.nn import parametrize as bnb_parametrize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,7 +40,7 @@ def build(layers: int, hidden: int = 64) -> Any:
         eos_token_id=None,
         pad_token_id=None,
     )
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device=device, dtype=getattr(torch, dtype))
     quantized = 0
     for layer in model.model.layers:
         for module in layer.modules():
