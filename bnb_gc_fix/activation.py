@@ -53,6 +53,16 @@ class Status:
     """``bitsandbytes.__version__``, or None if bitsandbytes is not imported."""
     torch: str | None
     """``torch.__version__``, or None if torch is not imported."""
+    state: str = "off"
+    """One word a user can act on: "patched" (the fix is on), "armed" (waiting for bitsandbytes'
+    4-bit code to be imported, then it decides and patches), "not needed" (this bitsandbytes
+    cannot leak this way), "off" (switched off by BNB_GC_FIX or deactivate()), "skipped"
+    (bitsandbytes or torch internals did not look as expected; nothing patched, one warning)."""
+    counter: int | None = None
+    """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
+    while torch's parametrize module is not imported (status() never imports it)."""
+    cache_bytes: int | None = None
+    """Bytes of tensors held by torch's parametrization cache right now; None like ``counter``."""
     pending: bool = False
     """Waiting for ``bitsandbytes.nn.parametrize`` to be imported, to decide and patch then."""
     affected: bool | None = None
@@ -70,21 +80,11 @@ class Status:
     patched, and bitsandbytes not waiting to be)."""
     libraries: tuple[LibraryStatus, ...] = ()
     """Every known library (bitsandbytes, axolotl, ...) that is imported or was decided on, with
-    its version, whether it is affected, and whether it is patched or why not. The fields above
-    describe bitsandbytes alone."""
+    its version, whether it is affected, and whether it is patched or why not. The other fields
+    describe bitsandbytes alone (and torch's cache, for ``counter`` and ``cache_bytes``)."""
     cell_end_release: bool = False
     """In IPython/Jupyter: a cell that ends with an exception and leaves the cache switched on gets
     it released (``bnb_gc_fix.notebook``); installed with activation, on every bitsandbytes."""
-    state: str = "off"
-    """One word a user can act on: "patched" (the fix is on), "armed" (waiting for bitsandbytes'
-    4-bit code to be imported, then it decides and patches), "not needed" (this bitsandbytes
-    cannot leak this way), "off" (switched off by BNB_GC_FIX or deactivate()), "skipped"
-    (bitsandbytes or torch internals did not look as expected; nothing patched, one warning)."""
-    counter: int | None = None
-    """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
-    while torch's parametrize module is not imported (status() never imports it)."""
-    cache_bytes: int | None = None
-    """Bytes of tensors held by torch's parametrization cache right now; None like ``counter``."""
 
 
 class _Library:
