@@ -54,10 +54,11 @@ class Status:
     torch: str | None
     """``torch.__version__``, or None if torch is not imported."""
     state: str = "off"
-    """One word a user can act on: "patched" (the fix is on), "armed" (waiting for bitsandbytes'
-    4-bit code to be imported, then it decides and patches), "not needed" (this bitsandbytes
-    cannot leak this way), "off" (switched off by BNB_GC_FIX or deactivate()), "skipped"
-    (bitsandbytes or torch internals did not look as expected; nothing patched, one warning)."""
+    """One word a user can act on: "patched" (the fix is on: bitsandbytes, or a look-alike library
+    in :attr:`libraries`, is patched), "armed" (waiting for bitsandbytes' 4-bit code to be
+    imported, then it decides and patches), "not needed" (this bitsandbytes cannot leak this way),
+    "off" (switched off by BNB_GC_FIX or deactivate()), "skipped" (bitsandbytes or torch internals
+    did not look as expected; nothing patched, one warning)."""
     counter: int | None = None
     """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
     while torch's parametrize module is not imported (status() never imports it)."""
@@ -331,8 +332,8 @@ _ARMED_REASON = (
 
 
 def _derive_state(library: _Library, version: str | None) -> str:
-    """The one word for ``Status.state``, from the flags the transitions above keep."""
-    if library.patched:
+    """The one word for ``Status.state``: bitsandbytes' flags, unless a look-alike is patched."""
+    if library.patched or any(other.patched for other in _state.libraries.values()):
         return "patched"
     if library.pending:
         return "not needed" if version is not None and decide.before_parametrize(version) else "armed"
