@@ -109,21 +109,10 @@ import quantized
 import bnb_gc_fix
 module = quantized.make(params=2)
 x = torch.randn(4, 64)
-module.interrupt = KeyboardInterrupt
-try:
-    module(x)
-except KeyboardInterrupt:
-    pass
-after_interrupt = quantized.counter()
-module.interrupt = None
+after_interrupt = quantized.interrupted_forward(module, x)
 module(x)
 after_next_forward = quantized.counter()
-module.interrupt = KeyboardInterrupt
-try:
-    module(x)
-except KeyboardInterrupt:
-    pass
-before_delete = quantized.counter()
+before_delete = quantized.interrupted_forward(module, x)
 del module
 gc.collect()
 after_delete = quantized.counter()
@@ -356,11 +345,7 @@ from bnb_gc_fix.gate import Gate, gate_of
 module = quantized.make(params=2)
 clone = copy.deepcopy(module)
 clone(torch.randn(2, 64))
-module.interrupt = KeyboardInterrupt
-try:
-    module(torch.randn(2, 64))
-except KeyboardInterrupt:
-    pass
+quantized.interrupted_forward(module, torch.randn(2, 64))
 held = gate_of(module).held
 revived = pickle.loads(pickle.dumps(gate_of(module)))
 bnb_gc_fix.reset()

@@ -21,12 +21,7 @@ import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
 import torch, quantized, bnb_gc_fix
 from bnb_gc_fix.gate import gate_of
 module = quantized.make(params=2)
-module.interrupt = KeyboardInterrupt
-try:
-    module(torch.randn(2, 64))
-except KeyboardInterrupt:
-    pass
-module.interrupt = None
+quantized.interrupted_forward(module, torch.randn(2, 64))
 module(torch.randn(2, 64))
 print(json.dumps([type(gate_of(module)).__name__, quantized.counter(), bnb_gc_fix.status().reason]))
 """

@@ -60,13 +60,7 @@ import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
 import torch, quantized
 import bnb_gc_fix
 module = quantized.make(params=2)
-module.interrupt = KeyboardInterrupt
-try:
-    module(torch.randn(2, 64))
-except KeyboardInterrupt:
-    pass
-stuck = quantized.counter()
-module.interrupt = None
+stuck = quantized.interrupted_forward(module, torch.randn(2, 64))
 module(torch.randn(2, 64))
 print(json.dumps([bnb_gc_fix.status().active, stuck, quantized.counter()]))
 """
