@@ -17,9 +17,6 @@ class CannotRunError(Exception):
     the synthetic run); the message says what happened and what to do."""
 
 
-MIN_TORCH = "2.1"
-
-
 @dataclass(frozen=True)
 class Step:
     step: int
@@ -49,13 +46,9 @@ def _imports() -> tuple[Any, Any]:
         raise CannotRunError(
             f"torch is not importable ({error}); install torch (and bitsandbytes>=0.48) to run the check"
         ) from error
-    from packaging.version import InvalidVersion, Version
+    from bnb_gc_fix.decide import MIN_TORCH, torch_too_old
 
-    try:
-        too_old = Version(Version(str(torch.__version__)).base_version) < Version(MIN_TORCH)
-    except InvalidVersion:
-        too_old = False
-    if too_old:
+    if torch_too_old(str(torch.__version__)):
         raise CannotRunError(
             f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} "
             "(forward hooks that run even when a forward raises); upgrade torch"

@@ -64,6 +64,12 @@ def in_affected_range(version: str | None) -> bool | None:
     return version_in_range(BITSANDBYTES, version)
 
 
+def torch_too_old(version: str | None) -> bool:
+    """Whether a torch version predates forward hooks with ``always_call=True`` (``MIN_TORCH``)."""
+    parsed = _parse(version)
+    return parsed is not None and Version(parsed.base_version) < MIN_TORCH
+
+
 def before_parametrize(version: str) -> bool:
     """Whether a bitsandbytes version predates ``bitsandbytes.nn.parametrize`` (0.48.0)."""
     parsed = _parse(version)
@@ -153,17 +159,17 @@ def probe(module: ModuleType, target: Target = BITSANDBYTES) -> tuple[bool | Non
 def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES) -> Verdict:
     """Decide what to do with an imported target module (``bitsandbytes.nn.parametrize`` by default)."""
     version = target.version()
-    torch_v = _parse(torch_version())
     by_version = version_in_range(target, version)
     label = f"{target.name} {version}" if version else f"this {target.name}"
 
-    if torch_v is not None and Version(torch_v.base_version) < MIN_TORCH:
+    if torch_too_old(torch_version()):
         return Verdict(
             False,
             True,
             by_version,
             "not run",
-            f"torch {torch_v} cannot run forward hooks with always_call=True (needs torch >= 2.1)",
+            f"torch {_parse(torch_version())} cannot run forward hooks with always_call=True "
+            f"(needs torch >= {MIN_TORCH})",
         )
     problem = _signature_problem(target, module)
     if problem is not None:
