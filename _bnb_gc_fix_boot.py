@@ -6,10 +6,11 @@ runs the ``.pth`` line. Importing this file touches only ``os`` and ``sys``, whi
 interpreter has already loaded by the time ``site`` processes ``.pth`` files.
 
 What it does at start-up: read ``BNB_GC_FIX`` and, unless it switches the fix off, put a tiny
-finder at the front of ``sys.meta_path``. The finder never finds anything. The first time
-anything asks for ``bitsandbytes`` it removes itself and imports ``bnb_gc_fix``, whose import
-activates the fix (a post-import hook that patches ``bitsandbytes.nn.parametrize`` when that
-module loads). Processes that never touch bitsandbytes pay for one list insertion.
+finder at the front of ``sys.meta_path``. The finder changes nothing any import finds. When
+``bitsandbytes`` is imported, it imports ``bnb_gc_fix`` just before bitsandbytes' code runs;
+that import activates the fix (a post-import hook that patches ``bitsandbytes.nn.parametrize``
+when that module loads). Processes that never import bitsandbytes pay for one list insertion and
+one string comparison per import.
 
 It is also the one place that knows the ``BNB_GC_FIX`` vocabulary, so the package and the
 start-up hook can never disagree about what a value means.
@@ -19,6 +20,12 @@ start-up hook can never disagree about what a value means.
 # and importing it would cost every Python process. Annotations that need it are quoted.
 import os
 import sys
+
+TYPE_CHECKING = False  # typing is not loaded at start-up either; mypy reads this name as True
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 VARIABLE = "BNB_GC_FIX"
 
@@ -45,6 +52,10 @@ ACCEPTED = "auto (or unset), 1/on/true/yes, 0/off/false/no, force"
 
 _TRIGGERED_MODULE = "bitsandbytes"
 
+#: Which start-up path ran in this process ("start-up hook" or "runner"), whether or not
+#: ``BNB_GC_FIX`` then switched the fix off; ``None`` when neither ran.
+started_by: "str | None" = None
+
 #: How the fix was turned on before the package was imported ("start-up hook" or "runner"),
 #: set by the finder just before it imports ``bnb_gc_fix``; ``None`` when it has not fired.
 trigger: "str | None" = None
@@ -70,30 +81,100 @@ def mode() -> str:
 
 
 class BitsandbytesWatcher:
-    """A meta-path finder that finds nothing and activates bnb-gc-fix before bitsandbytes loads."""
+    """A meta-path finder that activates bnb-gc-fix just before bitsandbytes' code first runs.
+
+    It never changes what an import finds, and it never changes ``sys.meta_path`` (the import
+    system may be iterating it): for ``bitsandbytes`` it asks the finders after it, in order,
+    exactly as the import system would, and returns their spec marked so that the fix activates
+    when that module starts to execute. A lookup alone (``importlib.util.find_spec``, as
+    ``transformers`` does to see whether bitsandbytes is installed) activates nothing. Once
+    fired, it answers ``None`` to everything.
+    """
 
     bnb_gc_fix_watcher = True
 
     def __init__(self, via: str) -> None:
         self.via = via
+        self.fired = False
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
-        if fullname == _TRIGGERED_MODULE:
+    def find_spec(
+        self, fullname: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
+    ) -> "ModuleSpec | None":
+        if fullname != _TRIGGERED_MODULE or self.fired:
+            return None
+        try:
+            spec = self._spec_after_me(fullname, path, target)
+        except Exception:  # a later finder failed: the import system will ask it again and say so
             self.fire()
+            return None
+        if spec is not None and not _fire_on_exec(spec, self):
+            self.fire()  # a spec we cannot mark: activate now, as the import is about to load it
+        return spec
+
+    def _spec_after_me(
+        self, fullname: str, path: "Sequence[str] | None", target: "ModuleType | None"
+    ) -> "ModuleSpec | None":
+        finders: list[object] = list(sys.meta_path)  # a copy: the import system may be iterating it
+        try:
+            after = finders[finders.index(self) + 1 :]
+        except ValueError:
+            return None
+        for finder in after:
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec  # type: ignore[no-any-return]
         return None
 
     def fire(self) -> None:
-        """Remove this finder and import bnb_gc_fix; never raises into the importer."""
+        """Import bnb_gc_fix, which activates the fix; once only, and never raises into the importer."""
         global trigger
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
+        if self.fired:
             return
+        self.fired = True
         trigger = self.via
         try:
             import bnb_gc_fix  # noqa: F401  (the import activates the fix)
         except Exception:  # a broken install must never break `import bitsandbytes`
             pass
+
+
+def _fire_on_exec(spec: "ModuleSpec", watcher: BitsandbytesWatcher) -> bool:
+    """Mark a plain ``ModuleSpec`` so that ``watcher.fire()`` runs as its module starts to execute.
+
+    The import machinery sets ``spec._initializing = True`` (``importlib._bootstrap._load_unlocked``)
+    once the spec was found and right before the module's code runs; the marked class calls back
+    then, and puts the plain class back. Returns False for a spec of another class.
+    """
+    import importlib.machinery
+
+    plain = importlib.machinery.ModuleSpec
+    if type(spec) is not plain:
+        return False
+    object.__setattr__(spec, "_bnb_gc_fix_on_exec", watcher)
+    spec.__class__ = _activating_spec_class(plain)
+    return True
+
+
+_ACTIVATING_SPEC: "type | None" = None
+
+
+def _activating_spec_class(base: type) -> type:
+    global _ACTIVATING_SPEC
+    if _ACTIVATING_SPEC is None:
+
+        def __setattr__(self: object, name: str, value: object) -> None:  # noqa: N807
+            if name == "_initializing" and value:
+                object.__setattr__(self, "__class__", base)
+                watcher = self.__dict__.pop("_bnb_gc_fix_on_exec", None)
+                if watcher is not None:
+                    watcher.fire()
+            object.__setattr__(self, name, value)
+
+        _ACTIVATING_SPEC = type("_ActivatingSpec", (base,), {"__setattr__": __setattr__})
+    return _ACTIVATING_SPEC
 
 
 def installed_watcher() -> "BitsandbytesWatcher | None":
@@ -110,6 +191,8 @@ def install(via: str = "start-up hook") -> bool:
     Returns ``True`` when a watcher is in place (or the fix was activated right away because
     bitsandbytes is already imported), ``False`` when ``BNB_GC_FIX`` switches it off.
     """
+    global started_by
+    started_by = via
     if mode() == OFF:
         return False
     if installed_watcher() is not None:

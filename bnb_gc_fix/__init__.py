@@ -54,10 +54,15 @@ def repair(model: torch.nn.Module) -> int:
     already right (its disable hook always-called: bitsandbytes 0.50, axolotl 0.20) is left
     alone and not counted, so 0 on such a model means there was nothing to fix. It does not
     release a counter that is already stuck: call :func:`reset` for that.
+
+    With ``BNB_GC_FIX=force`` it replaces those right pairs too (the gate adds Ctrl-C healing),
+    as the patch does.
     """
+    import _bnb_gc_fix_boot as boot
     from bnb_gc_fix import gate
 
-    return sum(gate.install(module) for module in model.modules())
+    force = boot.mode() == boot.FORCE
+    return sum(gate.install(module, replace_always_called=force) for module in model.modules())
 
 
 def reset() -> int:

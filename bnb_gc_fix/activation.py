@@ -103,6 +103,29 @@ class _Library:
         """Switched off by BNB_GC_FIX or deactivate()."""
         self.failed = False
         """Activation or patching raised (nothing patched)."""
+        self.late = False
+        """The module was imported before it was patched: models quantized before keep the plain pair."""
+        self.seen: decide.Verdict | None = None
+        """A verdict made only to report (the fix switched off): what the probe sees, nothing patched."""
+        self.seen_module: int | None = None
+        """``id()`` of the module :attr:`seen` was made for."""
+
+    def module(self) -> ModuleType | None:
+        """The target module as imported right now (None if not imported)."""
+        return sys.modules.get(self.target.module)
+
+    def applied(self) -> bool:
+        """Our wrappers are on the target module right now: the one test of "patched"."""
+        module = self.module()
+        if not self.patched or module is None:
+            return False  # and nothing imported: status() never imports torch
+        from bnb_gc_fix import patch
+
+        return patch.is_applied(module, self.target)
+
+    def lost(self) -> bool:
+        """It was patched, and the module was reloaded or imported again since: its own functions are back."""
+        return self.patched and not self.applied()
 
 
 class _State:
@@ -118,7 +141,7 @@ class _State:
 
     def on(self) -> bool:
         """Something is patched, or bitsandbytes waits to be (what ``via`` is reported for)."""
-        return self.bitsandbytes.pending or any(lib.patched for lib in self.libraries.values())
+        return self.bitsandbytes.pending or any(lib.applied() for lib in self.libraries.values())
 
 
 _state = _State()
@@ -173,8 +196,12 @@ def _skip(library: _Library, reason: str) -> None:
         _warn(f"bnb-gc-fix is not active: {reason}.", PatchSkippedWarning)
 
 
-def _apply(library: _Library, module: ModuleType, mode: str) -> None:
-    """Decide on an imported target module and patch it if needed (under the lock)."""
+def _apply(library: _Library, module: ModuleType, mode: str, late: bool = False) -> None:
+    """Decide on an imported target module and patch it if needed (under the lock).
+
+    ``late``: the module was imported before the fix was activated, so modules registered by it
+    before now keep the plain pair.
+    """
     from bnb_gc_fix import patch
 
     library.pending = False
@@ -192,8 +219,14 @@ def _apply(library: _Library, module: ModuleType, mode: str) -> None:
         return
     patch.apply(module, library.target, replace_always_called=verdict.affected is False)
     library.patched = True
+    library.late = late
     library.reason = verdict.decision
-    logger.info("%s", verdict.decision)
+    if late:
+        library.reason += (
+            f". {library.target.module} was already imported when the fix was activated: a model "
+            "quantized before then keeps the plain pair; bnb_gc_fix.repair(model) replaces it"
+        )
+    logger.info("%s", library.reason)
 
 
 def _arm(library: _Library, mode: str) -> None:
@@ -201,7 +234,7 @@ def _arm(library: _Library, mode: str) -> None:
     name = library.target.module
     module = sys.modules.get(name)
     if module is not None and not inflight.initializing(module):
-        _apply(library, module, mode)
+        _apply(library, module, mode, late=True)
         return
     library.pending = True
     library.reason = (
@@ -272,7 +305,8 @@ def activate(*, via: str = "activate()") -> Status:
             mode = _read_switch()
             if mode == boot.OFF:
                 for library in _state.libraries.values():
-                    if not library.patched:  # an earlier patch stays until deactivate()
+                    if not library.applied():  # an earlier patch stays until deactivate()
+                        library.patched = False
                         library.pending = False
                         library.switched_off = True
                         library.reason = _disabled_reason()
@@ -282,8 +316,9 @@ def activate(*, via: str = "activate()") -> Status:
             notebook.install()
             for library in _state.libraries.values():
                 library.switched_off = False
-                if library.patched:
+                if library.patched and library.applied():
                     continue
+                library.patched = False  # reloaded or imported again since: patch it again
                 try:
                     _arm(library, mode)
                 except Exception as error:  # one library's failure leaves the others armed
@@ -331,10 +366,19 @@ _ARMED_REASON = (
 )
 
 
-def _derive_state(library: _Library, version: str | None) -> str:
-    """The one word for ``Status.state``: bitsandbytes' flags, unless a look-alike is patched."""
-    if library.patched or any(other.patched for other in _state.libraries.values()):
+def _lost_reason(library: _Library) -> str:
+    return (
+        f"{library.target.module} was reloaded or imported again after it was patched, so its own "
+        "functions are back and nothing is patched now; bnb_gc_fix.activate() patches it again"
+    )
+
+
+def _library_state(library: _Library, version: str | None) -> str:
+    """One word for one library, from what its module shows right now."""
+    if library.applied():
         return "patched"
+    if library.lost():
+        return "unpatched"
     if library.pending:
         return "not needed" if version is not None and decide.before_parametrize(version) else "armed"
     if library.switched_off:
@@ -342,6 +386,45 @@ def _derive_state(library: _Library, version: str | None) -> str:
     if library.failed or library.verdict is None or library.verdict.unexpected:
         return "skipped"
     return "not needed"
+
+
+def _derive_state(library: _Library, version: str | None) -> str:
+    """The one word for ``Status.state``: any library unpatched since, any patched, or bitsandbytes'."""
+    states = [_library_state(other, other.target.version()) for other in _state.libraries.values()]
+    if "unpatched" in states:
+        return "unpatched"
+    if "patched" in states:
+        return "patched"
+    return _library_state(library, version)
+
+
+def _verdict(library: _Library) -> decide.Verdict | None:
+    """The decision on the library's module; made only to report where the fix did not decide (off).
+
+    Reporting runs the same probe as the decision (the library's own function on a throwaway
+    module) and patches nothing.
+    """
+    if library.verdict is not None:
+        return library.verdict
+    module = library.module()
+    if module is None or inflight.initializing(module):
+        return None
+    if library.seen is None or library.seen_module != id(module):
+        try:
+            library.seen = decide.judge(module, force=boot.mode() == boot.FORCE, target=library.target)
+        except Exception:  # status() never raises
+            return None
+        library.seen_module = id(module)
+    return library.seen
+
+
+def bitsandbytes_verdict() -> decide.Verdict | None:
+    """The decision on ``bitsandbytes.nn.parametrize`` (made to report only, where the fix is off)."""
+    return _verdict(_state.bitsandbytes)
+
+
+def _library_reason(library: _Library) -> str:
+    return _lost_reason(library) if library.lost() else library.reason
 
 
 def _cache_now() -> tuple[int | None, int | None]:
@@ -356,19 +439,30 @@ def _cache_now() -> tuple[int | None, int | None]:
         return None, None
 
 
+def _library_status(library: _Library, reason: str) -> LibraryStatus:
+    verdict = _verdict(library)
+    return LibraryStatus(
+        name=library.target.name,
+        version=library.target.version(),
+        affected=None if verdict is None else verdict.affected,
+        patched=library.applied(),
+        reason=reason,
+    )
+
+
 def status() -> Status:
     """Where the fix stands in this process right now."""
     bnb = _state.bitsandbytes
-    verdict = bnb.verdict
+    verdict = _verdict(bnb)
     version = decide.bitsandbytes_version()
-    reason = bnb.reason
+    reason = _library_reason(bnb)
     if bnb.pending:
         reason = _pending_reason(version) or reason
     counter, cache_bytes = _cache_now()
     if not gil_enabled():
         reason = f"{reason}. {UNTESTED_FREE_THREADING}"
     return Status(
-        active=bnb.patched,
+        active=bnb.applied(),
         reason=reason,
         bitsandbytes=version,
         torch=decide.torch_version(),
@@ -379,13 +473,7 @@ def status() -> Status:
         switch=_env_value(),
         via=_state.via if _state.on() else None,
         libraries=tuple(
-            LibraryStatus(
-                name=library.target.name,
-                version=library.target.version(),
-                affected=None if library.verdict is None else library.verdict.affected,
-                patched=library.patched,
-                reason=reason if library is bnb else library.reason,
-            )
+            _library_status(library, reason if library is bnb else _library_reason(library))
             for library in _state.libraries.values()
             if library.verdict is not None or library.target.imported()
         ),

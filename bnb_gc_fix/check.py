@@ -40,32 +40,36 @@ class CheckResult:
 
 
 def _imports() -> tuple[Any, Any]:
-    try:
-        import torch
-    except Exception as error:  # ImportError, or a broken install raising anything else
-        raise CannotRunError(
-            f"torch is not importable ({error}); install torch (and bitsandbytes>=0.48) to run the check"
-        ) from error
-    from bnb_gc_fix.decide import MIN_TORCH, torch_too_old
+    from bnb_gc_fix.decide import MIN_TORCH, PARAMETRIZE, no_parametrize, torch_too_old
+    from bnb_gc_fix.installed import try_import
+
+    torch, problem = try_import("torch")
+    if torch is None:
+        if problem and problem.endswith("not installed"):
+            raise CannotRunError(f"{problem}; install torch (and bitsandbytes>=0.48) to run the check")
+        raise CannotRunError(f"{problem}; repair the torch installation to run the check")
 
     if torch_too_old(str(torch.__version__)):
         raise CannotRunError(
             f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} "
             "(forward hooks that run even when a forward raises); upgrade torch"
         )
-    try:
-        import bitsandbytes
-    except Exception as error:
+    bitsandbytes, problem = try_import("bitsandbytes")
+    if bitsandbytes is None:
+        if problem and problem.endswith("not installed"):
+            raise CannotRunError(f"{problem}; install bitsandbytes>=0.48 to run the check")
         raise CannotRunError(
-            f"bitsandbytes is not importable ({error}); install bitsandbytes>=0.48 to run the check"
-        ) from error
-    try:
-        from bitsandbytes.nn import parametrize
-    except ImportError as error:
-        from bnb_gc_fix.decide import no_parametrize
+            f"{problem}; this is a problem of the bitsandbytes installation (its CUDA libraries, "
+            "for example), not the leak"
+        )
+    version = str(getattr(bitsandbytes, "__version__", "?"))
+    from bnb_gc_fix.decide import before_parametrize
 
-        version = getattr(bitsandbytes, "__version__", "?")
-        raise CannotRunError(f"{no_parametrize(version)}; there is nothing to check") from error
+    if before_parametrize(version):
+        raise CannotRunError(f"{no_parametrize(version)}; there is nothing to check")
+    parametrize, problem = try_import(PARAMETRIZE)
+    if parametrize is None:
+        raise CannotRunError(f"{problem}; there is nothing to check")
     return torch, parametrize
 
 

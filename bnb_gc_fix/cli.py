@@ -4,32 +4,27 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import _bnb_gc_fix_boot as boot
 from bnb_gc_fix import __version__, decide
-from bnb_gc_fix.activation import gil_enabled
+from bnb_gc_fix.activation import bitsandbytes_verdict, gil_enabled
 from bnb_gc_fix.activation import status as fix_status
+from bnb_gc_fix.installed import distribution_version, failure, try_import
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
 
 
-def _distribution_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def _facts() -> dict[str, Any]:
-    """Everything ``status`` reports, gathered once (imports torch and bitsandbytes if present)."""
+    """Everything ``status`` reports, gathered once (imports torch and bitsandbytes if present).
+
+    The decision and every sentence about it come from :func:`bnb_gc_fix.status`; this only
+    imports what is installed, so that the fix has something to decide on, and renders.
+    """
     watcher = boot.installed_watcher()
     facts: dict[str, Any] = {
         "bnb_gc_fix": __version__,
@@ -37,38 +32,41 @@ def _facts() -> dict[str, Any]:
         "gil": gil_enabled(),  # False: free-threaded build without the GIL (an untested path)
         "torch": None,
         "bitsandbytes": None,
-        "transformers": _distribution_version("transformers"),
+        "transformers": distribution_version("transformers"),
         "switch": None,
         "mode": boot.mode(),
-        "startup_hook": watcher is not None or boot.trigger is not None,
+        "startup_hook": watcher is not None or boot.started_by is not None,
+        "startup_hook_switched_off": watcher is None and boot.trigger is None and boot.started_by is not None,
         "in_affected_range": None,
         "probe": None,
         "affected": None,
         "verdict": None,
+        "import_errors": {},
     }
-    try:
-        import torch
-
-        facts["torch"] = str(torch.__version__)
-    except ImportError:
-        facts["verdict"] = "torch is not installed; nothing to patch"
-    parametrize: ModuleType | None = None
-    if facts["torch"] is not None:
-        try:
-            import bitsandbytes
-
+    torch, problem = try_import("torch")
+    if torch is None:
+        facts["verdict"] = f"{problem}; nothing to patch"
+        facts["import_errors"]["torch"] = problem
+    else:
+        facts["torch"] = str(getattr(torch, "__version__", "unknown"))
+        bitsandbytes, problem = try_import("bitsandbytes")
+        if bitsandbytes is None:
+            facts["verdict"] = f"{problem}; nothing to patch"
+            facts["import_errors"]["bitsandbytes"] = problem
+        else:
             facts["bitsandbytes"] = str(getattr(bitsandbytes, "__version__", "unknown"))
-            parametrize = importlib.import_module("bitsandbytes.nn.parametrize")
-        except ImportError as error:
-            if facts["bitsandbytes"] is None:
-                facts["verdict"] = f"bitsandbytes is not installed ({error}); nothing to patch"
-            else:
-                facts["verdict"] = f"{decide.no_parametrize(facts['bitsandbytes'])}; nothing to patch"
+            parametrize, problem = try_import(decide.PARAMETRIZE)
+            if parametrize is None:
+                version = facts["bitsandbytes"]
+                if decide.before_parametrize(version):
+                    facts["verdict"] = f"{decide.no_parametrize(version)}; nothing to patch"
+                else:
+                    facts["verdict"] = f"{problem}; nothing to patch"
+                    facts["import_errors"][decide.PARAMETRIZE] = problem
+        _import_look_alikes(facts["import_errors"])
     facts["in_affected_range"] = decide.in_affected_range(facts["bitsandbytes"])
-    if facts["torch"] is not None:
-        _import_look_alikes()
-    if parametrize is not None:
-        verdict = decide.judge(parametrize, force=boot.mode() == boot.FORCE)
+    verdict = bitsandbytes_verdict()
+    if verdict is not None:
         facts["probe"] = verdict.probe
         facts["affected"] = verdict.affected
         facts["verdict"] = verdict.reason
@@ -87,7 +85,7 @@ def _facts() -> dict[str, Any]:
     return facts
 
 
-def _import_look_alikes() -> None:
+def _import_look_alikes(errors: dict[str, str | None]) -> None:
     """Import the patched module of every installed look-alike library, so the fix decides on it."""
     from importlib.util import find_spec
 
@@ -95,10 +93,14 @@ def _import_look_alikes() -> None:
         if target is BITSANDBYTES:
             continue
         try:
-            if find_spec(target.name) is not None:
-                importlib.import_module(target.module)
-        except Exception:  # a library that cannot be imported here is reported as not imported
+            if find_spec(target.name) is None:
+                continue
+        except (Exception, SystemExit) as error:
+            errors[target.name] = failure(target.name, error)
             continue
+        module, problem = try_import(target.module)
+        if module is None:
+            errors[target.name] = problem
 
 
 def _print_json(payload: dict[str, Any]) -> None:
@@ -115,7 +117,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_json(facts)
         return 0
 
-    def show(value: Any) -> str:
+    def show(value: Any, name: str = "") -> str:
+        if value is None and name in facts["import_errors"]:
+            installed = distribution_version(name)
+            return f"{installed or 'installed'}, fails to import (see why)"
         return "not installed" if value is None else str(value)
 
     def number(value: int | None) -> str:
@@ -128,8 +133,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  python         {facts['python']}")
     if not facts["gil"]:
         print("  free-threaded: the GIL is off; the fix's locked gate is untested on such a build")
-    print(f"  torch          {show(facts['torch'])}")
-    print(f"  bitsandbytes   {show(facts['bitsandbytes'])}")
+    print(f"  torch          {show(facts['torch'], 'torch')}")
+    print(f"  bitsandbytes   {show(facts['bitsandbytes'], 'bitsandbytes')}")
     print(f"  transformers   {show(facts['transformers'])}")
     print(f"state:           {state}")
     if not (facts["verdict"] and facts["reason"].startswith(facts["verdict"])):
@@ -139,7 +144,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
     print(f"  why:           {facts['verdict']}")
     print(f"cache counter:   {number(facts['counter'])}")
     print(f"cache bytes:     {number(facts['cache_bytes'])}")
-    print(f"start-up hook:   {'installed' if facts['startup_hook'] else 'not installed'}")
+    hook = "installed" if facts["startup_hook"] else "not installed"
+    if facts["startup_hook_switched_off"]:
+        hook += f", switched off by {boot.VARIABLE}"
+    print(f"start-up hook:   {hook}")
     switch = "unset" if facts["switch"] is None else facts["switch"]
     print(f"{boot.VARIABLE}:      {switch} (mode {facts['mode']})")
     release = "installed" if facts["cell_end_release"] else "not installed (IPython/Jupyter only)"
@@ -153,12 +161,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
         )
         if library["name"] != "bitsandbytes":  # its sentence is printed above
             print(f"    why:         {library['reason']}")
-    if not facts["libraries"]:
+    look_alikes = {
+        n: p
+        for n, p in facts["import_errors"].items()
+        if n in {t.name for t in TARGETS if t is not BITSANDBYTES}
+    }
+    for name, problem in look_alikes.items():
+        print(f"  {name:<14} {problem}")
+    if not facts["libraries"] and not look_alikes:
         print("  none imported")
     return 0
 
 
 EXIT_PROTECTED, EXIT_LEAK, EXIT_CANNOT_RUN = 0, 1, 2
+EXIT_USAGE = 2
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -177,6 +193,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         code = EXIT_CANNOT_RUN
     else:
         code = EXIT_PROTECTED if result.protected else EXIT_LEAK
+    args.exit_code = code  # what main() returns even if stdout is closed while printing
     if args.json:
         payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
         if result is not None:
@@ -222,7 +239,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="bnb-gc-fix",
         description="Diagnose and stop bitsandbytes' 4-bit parametrization cache leak.",
     )
@@ -262,15 +279,60 @@ def _positive(text: str) -> int:
     return value
 
 
+class _UsageError(Exception):
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors reach :func:`main` (to answer in JSON under ``--json``)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(self, message)
+
+
+def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
+    if "--json" in argv:
+        payload: dict[str, Any] = {"error": f"{error.parser.prog}: {error.message}", "exit_code": EXIT_USAGE}
+        if "check" in argv:
+            payload.update(device=None, protected=None, steps=[])
+        _print_json(payload)
+    else:
+        error.parser.print_usage(sys.stderr)
+        print(f"{error.parser.prog}: error: {error.message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        print("\nbnb-gc-fix: give a command, e.g. `bnb-gc-fix check` or `bnb-gc-fix status`", file=sys.stderr)
-        return 2
-    result: int = args.func(args)
-    return result
+    args = argparse.Namespace()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except _UsageError as error:
+            return _usage_error(error, argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            print(
+                "\nbnb-gc-fix: give a command, e.g. `bnb-gc-fix check` or `bnb-gc-fix status`",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        result: int = args.func(args)
+        sys.stdout.flush()
+        return result
+    except BrokenPipeError:
+        # The reader went away (`bnb-gc-fix status --json | head -c 1`): a quiet exit. Python's
+        # own flush at exit would fail too, so stdout now points at the null device.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return int(getattr(args, "exit_code", 0))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,13 @@ by the same amount. So a gate's share of the counter is always exactly ``held``:
   the module's hook dictionaries and gives back what it still holds);
 * one gate per module however many of its parameters are quantized.
 
+**torch.compile.** The two hooks are plain arithmetic on ``held`` and the counter, which Dynamo
+traces like bitsandbytes' own pair. What it cannot trace (healing's stack walk, resetting, the
+cache-bytes count, the safety nets' release) is kept out of its traces (``_eager_only``): Dynamo
+calls it as it is, in a graph break, on the rare forward that enters with holds already taken. The
+stack walk knows Dynamo's frames of ``Module._call_impl`` (its transformed copy of the code, and
+its resume functions), so a compiled call is a live call too.
+
 **Threads.** Like torch's own cache, the hot path takes no lock: each hook's read-modify-write
 of ``held`` and of the counter is a run of bytecodes with no call in it, which CPython's global
 interpreter lock never interrupts. On a free-threaded build (no GIL) the same code runs under a
@@ -33,9 +40,9 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
-from collections.abc import Callable
-from types import FrameType
-from typing import Any
+from collections.abc import Callable, Iterator
+from types import CodeType, FrameType
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.utils.parametrize as P
@@ -45,10 +52,14 @@ DISABLE_NAME = "_disable_parametrization_cache"
 
 _GATES: weakref.WeakSet[Gate] = weakref.WeakSet()
 _CALL_IMPL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+# torch.compile runs `_call_impl` as a frame of Dynamo's transformed copy of its code (same name and
+# file) or of a resume function named after it; both are live calls of the module too.
+_RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 # Serialises what is not on the hot path (healing, reset, new gates), and the hot path itself
 # only on a free-threaded build.
 _LOCK = threading.RLock()
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _release(count: int) -> int:
@@ -62,18 +73,50 @@ def _release(count: int) -> int:
     return count
 
 
+def _is_call_impl(code: CodeType) -> bool:
+    """Whether a frame's code is ``Module._call_impl``, as eager torch or torch.compile runs it."""
+    if code is _CALL_IMPL_CODE:
+        return True
+    assert _CALL_IMPL_CODE is not None
+    if code.co_filename != _CALL_IMPL_CODE.co_filename:
+        return False
+    return code.co_name == _CALL_IMPL_CODE.co_name or code.co_name.startswith(_RESUME_PREFIX)
+
+
+def _live_modules() -> Iterator[object]:
+    """The module of every ``Module._call_impl`` frame on any thread's stack (one per live call)."""
+    if _CALL_IMPL_CODE is None:
+        return
+    for top in sys._current_frames().values():
+        frame: FrameType | None = top
+        while frame is not None:
+            if _is_call_impl(frame.f_code):
+                yield frame.f_locals.get("self")
+            frame = frame.f_back
+
+
 def _live_calls(module: torch.nn.Module) -> int:
     """Calls of ``module`` live on any thread's stack, the caller's own call included."""
     if _CALL_IMPL_CODE is None:
         return sys.maxsize  # cannot tell: treat every hold as live
-    live = 0
-    for top in sys._current_frames().values():
-        frame: FrameType | None = top
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is module:
-                live += 1
-            frame = frame.f_back
-    return live
+    return sum(1 for live in _live_modules() if live is module)
+
+
+def _eager_only(function: _F) -> _F:
+    """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break.
+
+    Healing walks the threads' stacks and resetting touches every gate: neither can be traced,
+    and both are rare (a forward entered with holds already taken, a release by hand).
+    """
+    try:
+        disable = getattr(getattr(torch, "compiler", None), "disable", None)
+        if disable is None:
+            from torch import _dynamo
+
+            disable = _dynamo.disable
+        return cast(_F, disable(function))
+    except Exception:  # a torch without a usable compiler: nothing traces it there
+        return function
 
 
 class Gate:
@@ -124,18 +167,24 @@ class Gate:
         """Release holds of calls that are no longer on any stack (left by a BaseException).
 
         Called by the pre-hook when the module already holds something, before it takes its
-        own hold; returns the holds released.
+        own hold; returns the holds released. Never traced by torch.compile (see
+        :func:`_heal`).
         """
-        with _LOCK:
-            live = _live_calls(module) - 1  # minus the call being entered
-            # Read, compare and write `held` with no call in between: other threads' hooks
-            # may have moved it while the stacks were walked, and it must never go negative.
-            held = self.held
-            stale = held - live
-            if stale <= 0:
-                return 0
-            self.held = live
-            return _release(stale)
+        return _heal(self, module)
+
+
+@_eager_only
+def _heal(gate: Gate, module: torch.nn.Module) -> int:
+    with _LOCK:
+        live = max(_live_calls(module) - 1, 0)  # minus the call being entered
+        # Read, compare and write `held` with no call in between: other threads' hooks
+        # may have moved it while the stacks were walked, and it must never go negative.
+        held = gate.held
+        stale = held - live
+        if stale <= 0:
+            return 0
+        gate.held = live
+        return _release(stale)
 
 
 class _LockedGate(Gate):
@@ -238,6 +287,7 @@ def counter() -> int:
     return int(P._cache_enabled)
 
 
+@_eager_only
 def cached_bytes() -> int:
     """Bytes held by tensors in torch's parametrization cache right now."""
     total = 0
@@ -247,6 +297,52 @@ def cached_bytes() -> int:
     return total
 
 
+def _live_calls_by_gate() -> dict[Gate, int]:
+    """For every gated module with a call live on some thread's stack: how many such calls."""
+    if _CALL_IMPL_CODE is None:  # cannot tell: treat every hold as live
+        return {gate: gate.held for gate in list(_GATES)}
+    live: dict[Gate, int] = {}
+    for module in _live_modules():
+        gate = gate_of(module) if isinstance(module, torch.nn.Module) else None
+        if gate is not None:
+            live[gate] = live.get(gate, 0) + 1
+    return live
+
+
+@_eager_only
+def release_left_behind(added: int) -> int:
+    """Give back at most ``added`` holds that nothing live owns; returns how many it gave back.
+
+    For the safety nets (``guard()``, the Trainer callback, the notebook cell-end release), which
+    pass how much the counter rose during their step or cell: holds taken before it began (a
+    ``P.cached()`` block of another thread, a hold kept across cells) are never theirs to give.
+    First the stale holds of gates (their module has no call on any thread's stack: a forward left
+    by a ``BaseException``), then holds no gate accounts for (a plain pair that lost its "off",
+    bitsandbytes unpatched or a look-alike copy). Holds of live gated calls are never given back,
+    and the counter never goes below zero.
+    """
+    with _LOCK:
+        counter = int(P._cache_enabled)
+        budget = min(added, counter)
+        if budget <= 0:
+            return 0
+        live = _live_calls_by_gate()
+        released = 0
+        for gate in list(_GATES):
+            stale = gate.held - live.get(gate, 0)
+            if stale > 0 and released < budget:
+                take = min(stale, budget - released)
+                gate.held -= take
+                released += take
+        unaccounted = counter - released - sum(gate.held for gate in list(_GATES))
+        if unaccounted > 0:
+            released += min(unaccounted, budget - released)
+        if released:
+            _release(released)
+        return released
+
+
+@_eager_only
 def reset() -> int:
     """Switch the cache off and empty it; forget every gate's holds. Returns the holds released."""
     with _LOCK:

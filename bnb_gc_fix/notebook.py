@@ -6,9 +6,10 @@ switches torch's parametrization cache off never runs, on every bitsandbytes fro
 (0.50's always-called hook included). This module registers one ``post_run_cell`` callback with
 the running IPython shell:
 
-* a cell that ended with an exception and left the counter above zero gets it released (counter
-  0, cache emptied, every gate's holds forgotten, as :func:`bnb_gc_fix.reset`), with one line on
-  stderr (the cell's output) saying what was released and why;
+* a cell that ended with an exception and left the counter higher than it found it gets what it
+  added released, as far as no running call (another thread's ``P.cached()`` block, a live
+  forward) owns it (:func:`bnb_gc_fix.gate.release_left_behind`), with one line on stderr (the
+  cell's output) saying what was released and why; holds older than the cell are left alone;
 * a cell that ended without an exception and left the counter above zero is left alone (the
   cache may be held across cells on purpose, with ``P.cached().__enter__()``); one line says so
   and points at :func:`bnb_gc_fix.reset`, once per counter value;
@@ -28,6 +29,7 @@ from typing import Any
 logger = logging.getLogger("bnb_gc_fix")
 
 EVENT = "post_run_cell"
+BEFORE = "pre_run_cell"
 _PARAMETRIZE = "torch.nn.utils.parametrize"
 _CAUSE = (
     "a forward left by an exception (the stop button's KeyboardInterrupt) skips the hook that switches it off"
@@ -38,6 +40,7 @@ class _Registration:
     def __init__(self) -> None:
         self.shell: Any = None
         self.noted: int | None = None  # the counter value last pointed out after a cell that succeeded
+        self.start = 0  # the counter when the running cell began
 
 
 _registration = _Registration()
@@ -64,6 +67,7 @@ def install() -> bool:
         if _registration.shell is shell:
             return True
         remove()
+        shell.events.register(BEFORE, _before_cell)
         shell.events.register(EVENT, _after_cell)
         _registration.shell = shell
         return True
@@ -77,10 +81,11 @@ def remove() -> None:
     shell, _registration.shell = _registration.shell, None
     if shell is None:
         return
-    try:
-        shell.events.unregister(EVENT, _after_cell)
-    except Exception:  # already gone (the user cleared the events)
-        pass
+    for event, callback in ((BEFORE, _before_cell), (EVENT, _after_cell)):
+        try:
+            shell.events.unregister(event, callback)
+        except Exception:  # already gone (the user cleared the events)
+            pass
 
 
 def installed() -> bool:
@@ -103,12 +108,36 @@ def _say(message: str, level: int) -> None:
         pass
 
 
+def _before_cell(info: Any = None) -> None:
+    """``pre_run_cell`` callback: remember the counter the cell starts with; never raises."""
+    try:
+        from bnb_gc_fix.guard import counter_now
+
+        _registration.start = counter_now()
+    except Exception:
+        _registration.start = 0
+
+
 def _after_cell(result: Any = None) -> None:
     """``post_run_cell`` callback; never raises into the shell."""
     try:
         _check(result)
     except Exception as error:
         logger.debug("cell-end release failed: %s: %s", type(error).__name__, error)
+
+
+def _note(count: int) -> None:
+    """Point out a cache left on that is not released here, once per counter value."""
+    from bnb_gc_fix import gate
+
+    if count != _registration.noted:
+        _registration.noted = count
+        _say(
+            f"torch's parametrization cache is still on after this cell (counter {count}, "
+            f"{gate.cached_bytes()} bytes cached); bnb_gc_fix.reset() releases it if that is not "
+            "on purpose.",
+            logging.INFO,
+        )
 
 
 def _check(result: Any) -> None:
@@ -132,20 +161,20 @@ def _check(result: Any) -> None:
         return
     error = getattr(result, "error_in_exec", None)
     if error is None:  # succeeded, or never ran (a syntax error): the cell did not skip a hook
-        if count != _registration.noted:
-            _registration.noted = count
-            _say(
-                f"torch's parametrization cache is still on after this cell (counter {count}, "
-                f"{gate.cached_bytes()} bytes cached); bnb_gc_fix.reset() releases it if that is not "
-                "on purpose.",
-                logging.INFO,
-            )
+        _note(count)
         return
+    start = max(_registration.start, 0)
     cached = gate.cached_bytes()
-    released = gate.reset()
+    released = gate.release_left_behind(count - start)
+    if not released:
+        # The holds predate this cell, or a running call (another thread's) still owns them: not
+        # this cell's doing, and not ours to give back.
+        _note(count)
+        return
     _registration.noted = None
     _say(
-        f"released torch's parametrization cache (counter {released}, {cached} bytes cached), "
-        f"left switched on by this cell's {type(error).__name__}: {_CAUSE}.",
+        f"released {released} of torch's parametrization cache holds (counter {count} -> "
+        f"{gate.counter()}, {cached} bytes cached), left switched on by this cell's "
+        f"{type(error).__name__}: {_CAUSE}.",
         logging.WARNING,
     )

@@ -19,10 +19,18 @@ SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_s
 
 
 def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) with our sitecustomize first on PYTHONPATH."""
+    """``base`` (default: this process's environment) with our sitecustomize first on PYTHONPATH.
+
+    Nothing else on ``PYTHONPATH`` changes: its order, and empty entries, which Python reads as
+    the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` with it unset leaves one), stay
+    as they were. Only an earlier copy of our own entry (a runner inside a runner) is dropped.
+    """
     env = dict(os.environ if base is None else base)
-    existing = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != SITECUSTOMIZE_DIR]
-    env["PYTHONPATH"] = os.pathsep.join([SITECUSTOMIZE_DIR, *existing])
+    existing = env.get("PYTHONPATH", "")
+    entries = [SITECUSTOMIZE_DIR]
+    if existing:
+        entries += [p for p in existing.split(os.pathsep) if p != SITECUSTOMIZE_DIR]
+    env["PYTHONPATH"] = os.pathsep.join(entries)
     return env
 
 

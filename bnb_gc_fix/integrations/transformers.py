@@ -14,21 +14,28 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from bnb_gc_fix.guard import check_and_release
+from bnb_gc_fix.guard import check_and_release, counter_now
 
 
 class LeakGuardCallback(TrainerCallback):
-    """Release a stuck parametrization cache at the end of every training step.
+    """Release what a training step left switched on in the parametrization cache, at its end.
 
-    With ``strict=True`` a stuck cache raises :class:`bnb_gc_fix.CacheLeakError` (after
-    releasing), stopping the run; otherwise one :class:`bnb_gc_fix.CacheLeakWarning` per step
-    that needed it. ``released`` counts the holds released over the run.
+    Only holds the step added (the counter at ``on_step_begin`` against ``on_step_end``) and that
+    no running call owns are released. With ``strict=True`` a stuck cache raises
+    :class:`bnb_gc_fix.CacheLeakError` (after releasing), stopping the run; otherwise one
+    :class:`bnb_gc_fix.CacheLeakWarning` per step that needed it. ``released`` counts the holds
+    released over the run.
     """
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
         self.released = 0
+        self._start = 0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        self._start = counter_now()
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.released += check_and_release(strict=self.strict)
+        self.released += check_and_release(strict=self.strict, start=self._start)
         return control

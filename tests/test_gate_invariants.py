@@ -1,0 +1,172 @@
+"""The gate's invariant, for every program, and the behaviours each guarded by a test of its own.
+
+The property test runs Hypothesis inside a fresh interpreter (``tests/scenarios/gate_property.py``):
+random programs of nested, sibling and self-calling quantized modules, checkpointed regions whose
+recompute stops early, ``Exception`` and ``BaseException`` raised at random points and caught at
+random levels, and sub-programs on a second thread. Its control, with the fix switched off, must be
+falsified. The tests below it each pin one behaviour that a one-line edit of the gate could break
+(a mutation pass found two such edits that no test killed: the clamp skipping bitsandbytes' own
+function above zero, and ``reset()`` keeping the gates' holds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import FIX, SCENARIOS, run_code, run_python
+
+pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+
+PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
+PROPERTY = SCENARIOS / "gate_property.py"
+EXAMPLES = os.environ.get("BNB_GC_FIX_PROPERTY_EXAMPLES", "300")
+
+
+def test_gate_invariant_holds_for_random_programs() -> None:
+    result = run_python([str(PROPERTY), "--examples", EXAMPLES], switch=FIX, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"PROPERTY HELD over {EXAMPLES} programs" in result.stdout
+
+
+def test_gate_invariant_control_is_falsified_without_the_fix() -> None:
+    result = run_python([str(PROPERTY), "--examples", EXAMPLES], switch="0", timeout=900)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PROPERTY FAILED" in result.stdout
+
+
+# --- the clamp: bitsandbytes' own disable function still runs above zero ------------------------
+
+CLAMP = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix
+from bitsandbytes.nn import parametrize
+module = torch.nn.Module()
+seen = []
+for _ in range(2):
+    parametrize._enable_parametrization_cache(module, ())
+seen.append(int(P._cache_enabled))
+P._cache["key"] = torch.ones(1)
+for _ in range(3):
+    parametrize._disable_parametrization_cache(module, (), None)  # called directly, as a user might
+    seen.append([int(P._cache_enabled), len(P._cache)])
+print(json.dumps({"seen": seen, "wrapped": type(parametrize._disable_parametrization_cache).__name__}))
+"""
+)
+
+
+def test_clamp_runs_bitsandbytes_own_function_above_zero_and_stops_at_zero() -> None:
+    out = json.loads(run_code(CLAMP, switch=FIX).stdout.splitlines()[-1])
+    assert out["wrapped"] == "_Wrapper"
+    # 2 -> 1 (its own function ran: the cache kept), 1 -> 0 (emptied), 0 -> 0 (clamped, still empty).
+    assert out["seen"] == [2, [1, 1], [0, 0], [0, 0]]
+
+
+def test_clamp_control_goes_below_zero_on_an_affected_bitsandbytes() -> None:
+    out = json.loads(run_code(CLAMP, switch="0").stdout.splitlines()[-1])
+    assert out["seen"][:3] == [2, [1, 1], [0, 0]]
+    assert out["seen"][3][0] in (-1, 0)  # -1 on 0.48-0.49 (no clamp), 0 on 0.50 (its own clamp)
+
+
+# --- reset() forgets every gate's holds ---------------------------------------------------------
+
+RESET_FORGETS = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix, quantized
+module = quantized.make()
+x = torch.randn(2, 64)
+quantized.interrupted_forward(module, x)  # the gate holds 1, stuck
+released = bnb_gc_fix.reset()
+with P.cached():  # another holder, after the reset
+    module(x)  # the gate must not "heal" the P.cached() hold away as if it were its stale one
+    inside = int(P._cache_enabled)
+print(json.dumps({"released": released, "inside": inside, "after": int(P._cache_enabled)}))
+"""
+)
+
+
+def test_reset_forgets_the_gates_holds_so_no_stale_hold_heals_another_holders() -> None:
+    out = json.loads(run_code(RESET_FORGETS, switch=FIX).stdout.splitlines()[-1])
+    assert out == {"released": 1, "inside": 1, "after": 0}
+
+
+# --- a second, independent test for each once singly-guarded behaviour --------------------------
+
+EXIT_WITHOUT_HOLD = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix, quantized
+from bnb_gc_fix import gate
+module = quantized.make()
+g = gate.gate_of(module)
+with P.cached():
+    g.exit(module, (), None)  # a forward hook with no hold of its own (its pre-hook never ran)
+    inside = int(P._cache_enabled)
+print(json.dumps({"inside": inside, "after": int(P._cache_enabled), "held": g.held}))
+"""
+)
+
+
+def test_exit_hook_without_a_hold_gives_nothing_back() -> None:
+    out = json.loads(run_code(EXIT_WITHOUT_HOLD, switch=FIX).stdout.splitlines()[-1])
+    assert out == {"inside": 1, "after": 0, "held": 0}
+
+
+CLAMP_AFTER_RESET = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix
+from bitsandbytes.nn import parametrize
+module = torch.nn.Module()
+with P.cached():
+    bnb_gc_fix.reset()  # the hold released by hand inside the block...
+    parametrize._disable_parametrization_cache(module, (), None)  # ...and a stray disable
+    inside = int(P._cache_enabled)
+print(json.dumps({"inside": inside}))
+"""
+)
+
+
+def test_clamp_keeps_a_stray_disable_at_zero_after_a_reset() -> None:
+    assert json.loads(run_code(CLAMP_AFTER_RESET, switch=FIX).stdout.splitlines()[-1]) == {"inside": 0}
+
+
+COLLECTED = (
+    PRELUDE
+    + """
+import gc, torch, weakref
+import bnb_gc_fix, quantized
+x = torch.randn(2, 64)
+counters = []
+for params in (1, 3):
+    module = quantized.make(params=params)
+    quantized.interrupted_forward(module, x)
+    counters.append(quantized.counter())
+    ref = weakref.ref(module)
+    del module
+    gc.collect()
+    counters.append([ref() is None, quantized.counter()])
+print(json.dumps(counters))
+"""
+)
+
+
+def test_collected_module_gives_back_its_stuck_hold() -> None:
+    out = json.loads(run_code(COLLECTED, switch=FIX).stdout.splitlines()[-1])
+    assert out == [1, [True, 0], 1, [True, 0]]  # one gate per module, however many parameters
+
+
+def test_collected_module_control_keeps_the_stuck_holds() -> None:
+    out = json.loads(run_code(COLLECTED, switch="0").stdout.splitlines()[-1])
+    assert out[0] == 1 and out[1] == [True, 1] and out[3][1] > 1

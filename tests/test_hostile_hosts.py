@@ -1,0 +1,394 @@
+"""Hostile hosts: the package runs in every process, so every failure mode must beat the bug's.
+
+The rule for each scenario: where the control runs (``BNB_GC_FIX=0``, or the same program without
+the package's help), the fixed run runs too, and ends no worse. Each runs in a fresh interpreter.
+The torch.compile scenarios are in ``test_compile.py``; the gate's invariant over random programs in
+``test_gate_invariants.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    AFFECTED,
+    BITSANDBYTES,
+    SCENARIOS,
+    WITHOUT_STARTUP_HOOK,
+    environment,
+    pip_target,
+    run_code,
+    run_python,
+)
+
+pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+
+PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
+
+# --- the doctor on broken installs ---------------------------------------------------------------
+
+BROKEN = {
+    "bitsandbytes-cuda-setup": (
+        "bitsandbytes",
+        "RuntimeError('CUDA Setup failed despite GPU being available')",
+    ),
+    "bitsandbytes-missing-library": (
+        "bitsandbytes",
+        "OSError('libcudart.so.12: cannot open shared object file: No such file or directory')",
+    ),
+    "bitsandbytes-exits": ("bitsandbytes", "SystemExit('a package that calls sys.exit at import')"),
+    "torch-missing-library": ("torch", "OSError('libtorch_cuda.so: cannot open shared object file')"),
+    "axolotl-broken": ("axolotl", "RuntimeError('axolotl cannot start here')"),
+}
+
+
+def _broken_install(tmp_path: Path, name: str, raises: str) -> Path:
+    """A folder that shadows ``name`` with an installed (dist-info) package whose import raises."""
+    folder = tmp_path / "broken"
+    package = folder / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(f"raise {raises}\n")
+    if name == "axolotl":
+        (package / "monkeypatch").mkdir()
+    info = folder / f"{name}-9.9.9.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 9.9.9\n")
+    return folder
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_doctor_answers_for_a_broken_install(tmp_path: Path, case: str) -> None:
+    name, raises = BROKEN[case]
+    env = environment(PYTHONPATH=str(_broken_install(tmp_path, name, raises)))
+    text = run_python(["-m", "bnb_gc_fix", "status"], env=env)
+    assert text.returncode == 0, text.stderr
+    assert "Traceback" not in text.stderr
+    as_json = run_python(["-m", "bnb_gc_fix", "status", "--json"], env=env)
+    assert as_json.returncode == 0, as_json.stderr
+    [line] = as_json.stdout.splitlines()
+    facts = json.loads(line)
+    # Installed and failing is named as such, with what it raised; never "not installed".
+    failure = facts["import_errors"][name]
+    assert f"{name} 9.9.9 is installed but" in failure and "fails to import" in failure, failure
+    assert raises.split("(")[0] in failure
+    assert "fails to import" in text.stdout
+    if name == "axolotl":
+        assert facts["bitsandbytes"] == BITSANDBYTES  # the rest of the report is whole
+        return
+    assert "not installed" not in facts["verdict"]
+    check = run_python(["-m", "bnb_gc_fix", "check", "--json", "--steps", "1"], env=env)
+    assert check.returncode == 2, check.stderr
+    [line] = check.stdout.splitlines()
+    report = json.loads(line)
+    assert report["exit_code"] == 2 and "is installed but fails to import" in report["error"]
+    assert "install bitsandbytes>=0.48" not in report["error"]
+
+
+def test_doctor_answers_usage_errors_in_json_and_quietly_on_a_closed_stdout() -> None:
+    for args, needle in ((["--steps", "0"], "must be at least 1"), (["--device", "tpu"], "invalid choice")):
+        result = run_python(["-m", "bnb_gc_fix", "check", "--json", *args])
+        assert result.returncode == 2
+        [line] = result.stdout.splitlines()  # one JSON object, even for an argparse error
+        report = json.loads(line)
+        assert report["exit_code"] == 2 and needle in report["error"] and report["protected"] is None
+    # `bnb-gc-fix status --json | true`: the reader is gone before anything is written.
+    script = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'bnb_gc_fix', 'status', '--json'],"
+        " stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+        "p.stdout.close()\n"
+        "err = p.stderr.read().decode()\n"
+        "print(p.wait(), 'Traceback' in err, 'BrokenPipe' in err)\n"
+    )
+    assert run_code(script).stdout.split() == ["0", "False", "False"]
+
+
+def test_status_with_the_switch_off_gives_one_answer() -> None:
+    facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], switch="0").stdout)
+    [bnb] = [library for library in facts["libraries"] if library["name"] == "bitsandbytes"]
+    assert facts["affected"] is bnb["affected"] is AFFECTED
+    assert facts["startup_hook"] is True and facts["startup_hook_switched_off"] is True
+    text = run_python(["-m", "bnb_gc_fix", "status"], switch="0").stdout
+    assert "start-up hook:   installed, switched off by BNB_GC_FIX" in text
+    yes = "yes" if AFFECTED else "no"
+    assert f"affected:        {yes}" in text and f"{BITSANDBYTES}: affected {yes}, not patched" in text
+
+
+# --- the runner keeps PYTHONPATH ---------------------------------------------------------------
+
+
+def test_runner_keeps_empty_pythonpath_entries(tmp_path: Path) -> None:
+    (tmp_path / "toplevel_pkg").mkdir()
+    (tmp_path / "toplevel_pkg" / "__init__.py").write_text("NAME = 'from the project root'\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "script.py").write_text("import toplevel_pkg; print(toplevel_pkg.NAME)\n")
+    # What `export PYTHONPATH=$PYTHONPATH:/x` leaves when it was unset: an empty entry, the cwd.
+    env = environment(PYTHONPATH=os.pathsep + str(tmp_path / "elsewhere"))
+    plain = run_python(["sub/script.py"], env=env, cwd=tmp_path)
+    assert plain.stdout.strip() == "from the project root", plain.stderr  # the control runs
+    runner = [str(Path(sys.executable).parent / "bnb-gc-fix"), "run", "--", sys.executable, "sub/script.py"]
+    ran = subprocess.run(runner, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ran.stdout.strip() == "from the project root", ran.stderr
+
+
+# --- status is live truth ------------------------------------------------------------------------
+
+LEAK = """
+import torch
+from torch.utils.checkpoint import checkpoint
+import quantized
+
+def steps(module, n=3):
+    counters = []
+    for _ in range(n):
+        x = torch.randn(4, 64, requires_grad=True)
+        checkpoint(module, x, use_reentrant=False).pow(2).mean().backward()
+        counters.append(quantized.counter())
+    return counters
+"""
+
+RELOAD = (
+    PRELUDE
+    + LEAK
+    + """
+import importlib
+import bnb_gc_fix
+import bitsandbytes.nn.parametrize as parametrize
+out = {"first": bnb_gc_fix.status().state}
+if sys.argv[1] == "reload":
+    importlib.reload(parametrize)
+else:
+    del sys.modules["bitsandbytes.nn.parametrize"]
+    import bitsandbytes.nn.parametrize as parametrize
+s = bnb_gc_fix.status()
+out["after"] = [s.state, s.active, s.reason]
+def quantize_with(module):  # the target module as imported now, reloaded or new
+    fresh = quantized.Quantized()
+    module.replace_parameter_4bit(fresh, "w0", quant_type="nf4")
+    return fresh
+out["unfixed"] = steps(quantize_with(parametrize))
+s = bnb_gc_fix.activate()
+out["activated"] = [s.state, s.active]
+import torch.nn.utils.parametrize as P
+P._cache_enabled = 0
+P._cache = {}
+out["fixed"] = steps(quantize_with(parametrize))
+print(json.dumps(out))
+"""
+)
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (it is not patched otherwise)")
+@pytest.mark.parametrize("how", ["reload", "reimport"])
+def test_a_reloaded_target_module_is_reported_unpatched_and_activate_repairs_it(how: str) -> None:
+    out = json.loads(run_python(["-c", RELOAD, how]).stdout.splitlines()[-1])
+    assert out["first"] == "patched"
+    state, active, reason = out["after"]
+    assert (state, active) == ("unpatched", False) and "activate() patches it again" in reason
+    assert out["unfixed"][-1] > 0  # what "unpatched" means: the new module's pair leaks
+    assert out["activated"] == ["patched", True]
+    assert out["fixed"] == [0, 0, 0]
+
+
+LATE = (
+    WITHOUT_STARTUP_HOOK
+    + PRELUDE
+    + LEAK
+    + """
+module = quantized.make()  # quantized before the fix is active
+import bnb_gc_fix
+s = bnb_gc_fix.status()
+leaking = steps(module)
+repaired = bnb_gc_fix.repair(module)
+bnb_gc_fix.reset()
+print(json.dumps({"state": s.state, "reason": s.reason, "leaking": leaking, "repaired": repaired,
+                  "after": steps(module)}))
+"""
+)
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes")
+def test_activated_late_status_points_at_repair() -> None:
+    out = json.loads(run_code(LATE).stdout.splitlines()[-1])
+    assert out["state"] == "patched"
+    assert "already imported when the fix was activated" in out["reason"]
+    assert "bnb_gc_fix.repair(model)" in out["reason"]
+    assert out["leaking"][-1] > 0  # the truth status now names
+    assert out["repaired"] == 1 and out["after"] == [0, 0, 0]
+
+
+# --- the start-up hook never perturbs the import system -----------------------------------------
+
+FINDER_AFTER = """
+import sys
+asked = []
+
+class Vendored:
+    def find_spec(self, name, path=None, target=None):
+        asked.append(name)
+        return None
+
+position = next((i for i, f in enumerate(sys.meta_path) if getattr(f, "bnb_gc_fix_watcher", False)), -1)
+sys.meta_path.insert(position + 1, Vendored())
+import bitsandbytes
+print(asked.count("bitsandbytes"), "bnb_gc_fix" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_a_finder_after_the_watcher_sees_the_first_bitsandbytes_lookup(switch: str | None) -> None:
+    asked, activated = run_code(FINDER_AFTER, switch=switch).stdout.split()
+    assert asked == "1"  # the control (no watcher) and the fixed run alike
+    assert activated == ("False" if switch == "0" else "True")
+
+
+def test_find_spec_alone_activates_nothing_and_the_import_does() -> None:
+    code = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.find_spec('bitsandbytes')\n"
+        "print(spec is not None, 'bnb_gc_fix' in sys.modules, 'wrapt' in sys.modules)\n"
+        "import bitsandbytes\n"
+        "print('bnb_gc_fix' in sys.modules)\n"
+    )
+    assert run_code(code).stdout.split() == ["True", "False", "False", "True"]
+
+
+# --- the safety nets never corrupt ----------------------------------------------------------------
+
+BACKGROUND_HOLD = """
+import threading, time, warnings, torch
+import torch.nn.utils.parametrize as P
+from torch.nn.utils.parametrizations import weight_norm
+torch.manual_seed(0)
+lin = weight_norm(torch.nn.Linear(8, 8))
+x = torch.randn(2, 8)
+entered, leave = threading.Event(), threading.Event()
+
+def background():
+    with P.cached():  # torch's documented use of the cache, on another thread
+        lin(x)
+        entered.set()
+        leave.wait()
+
+thread = threading.Thread(target=background)
+thread.start()
+entered.wait()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    NET()
+leave.set()
+thread.join()
+before = lin(x).clone()
+with torch.no_grad():
+    lin.parametrizations.weight.original0.mul_(2)  # the magnitude g doubled
+after = lin(x)
+print(json.dumps({"counter": int(P._cache_enabled), "changed": not torch.equal(before, after),
+                  "warnings": [str(w.message) for w in caught if "bnb_gc_fix" in str(w.message)]}))
+"""
+
+NETS = {
+    "none": "def NET():\n    pass\n",
+    "guard": "import bnb_gc_fix\ndef NET():\n    with bnb_gc_fix.guard():\n        pass\n",
+    "callback": (
+        "from bnb_gc_fix.integrations.transformers import LeakGuardCallback\n"
+        "def NET():\n"
+        "    cb = LeakGuardCallback()\n"
+        "    cb.on_step_begin(None, None, None)\n"
+        "    cb.on_step_end(None, None, None)\n"
+    ),
+    "notebook": (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "import bnb_gc_fix\n"
+        "assert bnb_gc_fix.status().cell_end_release\n"
+        "def NET():\n"
+        "    shell.run_cell('undefined_name')  # an unrelated cell fails while the thread holds\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
+def test_safety_nets_never_take_another_threads_live_hold(net: str) -> None:
+    control = json.loads(run_code(PRELUDE + NETS["none"] + BACKGROUND_HOLD).stdout.splitlines()[-1])
+    assert control == {"counter": 0, "changed": True, "warnings": []}
+    fixed = run_code(PRELUDE + NETS[net] + BACKGROUND_HOLD)
+    out = json.loads(fixed.stdout.splitlines()[-1])
+    assert out["counter"] == 0 and out["changed"] is True  # never -1, never stale weights
+    assert out["warnings"] == []
+    assert "released" not in fixed.stderr  # and nothing blamed on a cell that did not do it
+
+
+GUARDED_INTERRUPT = (
+    PRELUDE
+    + """
+import warnings, torch, threading
+import torch.nn.utils.parametrize as P
+import quantized, bnb_gc_fix
+bnb_gc_fix.deactivate()  # a plain pair: the hold a KeyboardInterrupt leaves stays stuck
+module = quantized.make(params=1)
+x = torch.randn(4, 64)
+P._cache_enabled += 1  # a hold taken before the step (a P.cached() kept open): not the step's
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with bnb_gc_fix.guard():
+        quantized.interrupted_forward(module, x)
+leaks = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.CacheLeakWarning)]
+print(json.dumps({"counter": quantized.counter(), "warnings": leaks}))
+"""
+)
+
+
+def test_guard_releases_only_what_the_step_added() -> None:
+    out = json.loads(run_code(GUARDED_INTERRUPT).stdout.splitlines()[-1])
+    assert out["counter"] == 1  # the step's stuck hold released, the earlier one kept
+    [message] = out["warnings"]
+    assert "went from 1 to 2" in message and "1 of those holds" in message
+
+
+@pytest.mark.skipif(not AFFECTED, reason="compares with the auto run on an affected bitsandbytes")
+def test_compiled_guarded_step_with_fullgraph() -> None:
+    code = (
+        "import torch, bnb_gc_fix\n"
+        "def step(x):\n"
+        "    return (x * 2).sum()\n"
+        "compiled = torch.compile(bnb_gc_fix.guard()(step), fullgraph=True, backend='eager')\n"
+        "print(float(compiled(torch.ones(3))))\n"
+    )
+    for switch in (None, "0"):
+        assert run_code(code, switch=switch).stdout.split()[-1] == "6.0"
+
+
+# --- repair() honours force -----------------------------------------------------------------------
+
+REPAIR_FORCE = (
+    PRELUDE
+    + """
+import torch
+import bnb_gc_fix, quantized
+bnb_gc_fix.deactivate()
+module = quantized.make()  # quantized while the fix is off: bitsandbytes' own pair
+bnb_gc_fix.activate()
+repaired = bnb_gc_fix.repair(module)
+x = torch.randn(4, 64)
+stuck = quantized.interrupted_forward(module, x)  # a caught Ctrl-C
+module(x)
+print(json.dumps({"bitsandbytes": __import__("bitsandbytes").__version__, "repaired": repaired,
+                  "stuck": stuck, "after": quantized.counter()}))
+"""
+)
+
+
+@pytest.mark.parametrize("switch", ["force", None])
+def test_repair_honours_force_on_a_fixed_bitsandbytes(switch: str | None) -> None:
+    env = environment(switch, PYTHONPATH=str(pip_target("bitsandbytes==0.50.2")))
+    out = json.loads(run_python(["-c", REPAIR_FORCE], env=env).stdout.splitlines()[-1])
+    assert out["bitsandbytes"] == "0.50.2" and out["stuck"] == 1
+    if switch == "force":
+        assert out["repaired"] == 1 and out["after"] == 0  # the gate heals the Ctrl-C
+    else:
+        assert out["repaired"] == 0 and out["after"] == 1  # the control: upstream's pair stays stuck
