@@ -26,6 +26,7 @@ globals directly. With the check off it registers nothing beyond its two options
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Generator
@@ -208,18 +209,23 @@ class CacheCheck:
             try:
                 found = self.check(item.nodeid)
             except Exception as error:  # the check must never break the run
-                found = (f"{item.nodeid}: parametrize cache check failed: {error!r}", 0, 0)
+                with contextlib.suppress(Exception):
+                    item.warn(ParametrizeCacheLeakWarning(f"{item.nodeid}: the check failed: {error!r}"))
         outcome = yield
         if found is None:
             return
         line, counter, cached = found
         report = outcome.get_result()
         report.user_properties.append((PROPERTY, {"counter": counter, "bytes": cached, "message": line}))
-        if self.mode == FAIL and report.passed:
-            report.outcome = "failed"
-            report.longrepr = line
-        else:
-            item.warn(ParametrizeCacheLeakWarning(line))
+        if self.mode == WARN or not report.passed:
+            try:
+                item.warn(ParametrizeCacheLeakWarning(line))
+                return
+            except Exception:  # -W error made the warning an error: report it as one
+                if not report.passed:
+                    return
+        report.outcome = "failed"
+        report.longrepr = line
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "teardown":
