@@ -7,7 +7,8 @@ Standard library only. Steps:
 1. ``python -m build`` (installed first if missing) builds the sdist and, from it, the wheel
    into a temporary folder.
 2. The wheel must hold ``bnb_gc_fix.pth`` at its root (byte-identical to the repo's),
-   ``_bnb_gc_fix_boot.py``, ``bnb_gc_fix/py.typed``, the ``bnb-gc-fix`` console script, and
+   ``_bnb_gc_fix_boot.py``, ``bnb_gc_fix/py.typed``, the ``bnb-gc-fix`` console script, the
+   pytest plugin (``bnb_gc_fix_pytest.py`` and its ``pytest11`` entry point), and
    declare exactly wrapt and packaging as its unconditional runtime requirements.
 3. A fresh ``python -m venv`` gets ``torch==2.13.0``, then ``bitsandbytes==0.49.2
    transformers==5.13.1`` (both with ``-c constraints.txt``), then the wheel.
@@ -130,6 +131,9 @@ def inspect_wheel(wheel: Path, sdist: Path, checks: Checks) -> None:
             same = archive.read("bnb_gc_fix.pth") == (REPO / "bnb_gc_fix.pth").read_bytes()
             checks.add(same, "bnb_gc_fix.pth is the repo's file byte for byte")
         checks.add("_bnb_gc_fix_boot.py" in names, "_bnb_gc_fix_boot.py at the wheel root")
+        checks.add(
+            "bnb_gc_fix_pytest.py" in names, "bnb_gc_fix_pytest.py (the pytest plugin) at the wheel root"
+        )
         checks.add("bnb_gc_fix/py.typed" in names, "bnb_gc_fix/py.typed")
         checks.add("bnb_gc_fix/__init__.py" in names, "bnb_gc_fix/__init__.py")
         entry_points = archive.read(f"{info}/entry_points.txt").decode() if info else ""
@@ -141,6 +145,12 @@ def inspect_wheel(wheel: Path, sdist: Path, checks: Checks) -> None:
             "console script bnb-gc-fix = bnb_gc_fix.cli:main",
             script.group(1) if script else "missing",
         )
+        plugin = re.search(r"^\[pytest11\][^\[]*^\s*bnb_gc_fix\s*=\s*(\S+)", entry_points, re.MULTILINE)
+        checks.add(
+            plugin is not None and plugin.group(1) == "bnb_gc_fix_pytest",
+            "pytest11 entry point bnb_gc_fix = bnb_gc_fix_pytest",
+            plugin.group(1) if plugin else "missing",
+        )
         metadata = archive.read(f"{info}/METADATA").decode() if info else ""
         deps = unconditional_requirements(metadata)
         checks.add(
@@ -150,7 +160,13 @@ def inspect_wheel(wheel: Path, sdist: Path, checks: Checks) -> None:
         checks.add(not stray, "no tests/benchmarks/scripts/docs in the wheel", ", ".join(stray[:5]))
     with tarfile.open(sdist) as archive:
         members = {m.name.split("/", 1)[1] for m in archive.getmembers() if "/" in m.name}
-    for needed in ("bnb_gc_fix.pth", "_bnb_gc_fix_boot.py", "pyproject.toml", "bnb_gc_fix/py.typed"):
+    for needed in (
+        "bnb_gc_fix.pth",
+        "_bnb_gc_fix_boot.py",
+        "bnb_gc_fix_pytest.py",
+        "pyproject.toml",
+        "bnb_gc_fix/py.typed",
+    ):
         checks.add(needed in members, f"sdist has {needed}")
     allowed = sdist_top_level()
     if allowed is not None:
