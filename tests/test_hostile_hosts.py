@@ -226,6 +226,9 @@ def test_activated_late_status_points_at_repair() -> None:
 
 FINDER_AFTER = """
 import sys
+import wrapt
+# Another library's post-import hook (ddtrace, opentelemetry, ...): wrapt's finder is in place already.
+wrapt.register_post_import_hook(lambda module: None, "an_unrelated_module")
 asked = []
 
 class Vendored:
