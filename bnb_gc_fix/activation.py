@@ -103,8 +103,6 @@ class _Library:
         """Switched off by BNB_GC_FIX or deactivate()."""
         self.failed = False
         """Activation or patching raised (nothing patched)."""
-        self.late = False
-        """The module was imported before it was patched: models quantized before keep the plain pair."""
         self.seen: decide.Verdict | None = None
         """A verdict made only to report (the fix switched off): what the probe sees, nothing patched."""
         self.seen_module: int | None = None
@@ -219,7 +217,6 @@ def _apply(library: _Library, module: ModuleType, mode: str, late: bool = False)
         return
     patch.apply(module, library.target, replace_always_called=verdict.affected is False)
     library.patched = True
-    library.late = late
     library.reason = verdict.decision
     if late:
         library.reason += (

@@ -40,7 +40,7 @@ class CheckResult:
 
 
 def _imports() -> tuple[Any, Any]:
-    from bnb_gc_fix.decide import MIN_TORCH, PARAMETRIZE, no_parametrize, torch_too_old
+    from bnb_gc_fix.decide import MIN_TORCH, PARAMETRIZE, before_parametrize, no_parametrize, torch_too_old
     from bnb_gc_fix.installed import try_import
 
     torch, problem = try_import("torch")
@@ -63,8 +63,6 @@ def _imports() -> tuple[Any, Any]:
             "for example), not the leak"
         )
     version = str(getattr(bitsandbytes, "__version__", "?"))
-    from bnb_gc_fix.decide import before_parametrize
-
     if before_parametrize(version):
         raise CannotRunError(f"{no_parametrize(version)}; there is nothing to check")
     parametrize, problem = try_import(PARAMETRIZE)

@@ -167,7 +167,7 @@ print(json.dumps([quantized.counter(), ours]))
 """
     counter, warnings = json.loads(run_code(code).stdout)
     assert counter == 0
-    assert len(warnings) == 1 and "counter 1" in warnings[0] and "KeyboardInterrupt" in warnings[0]
+    assert len(warnings) == 1 and "went from 0 to 1" in warnings[0] and "KeyboardInterrupt" in warnings[0]
 
 
 # --- the Hugging Face Trainer --------------------------------------------------------------------

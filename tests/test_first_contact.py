@@ -53,7 +53,7 @@ PATHS = {
         ["--device", "cuda"],
         "no CUDA device is available",
     ),
-    "torch-missing": (BLOCK.format(name="torch"), [], "torch is not importable"),
+    "torch-missing": (BLOCK.format(name="torch"), [], "torch is not installed; install torch"),
     "torch-too-old": ("import torch; torch.__version__ = '2.0.1'\n", [], "torch 2.0.1 is too old"),
     "bitsandbytes-missing": (BLOCK.format(name="bitsandbytes"), [], "install bitsandbytes>=0.48"),
     "bitsandbytes-too-old": (

@@ -302,7 +302,7 @@ def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     assert story.after_a == [0, 0]
     assert story.after_b == [0, 0]  # B's weight is not left cached
     (line,) = story.interrupted.ours()
-    assert "counter 1, 16384 bytes cached), left switched on by this cell's KeyboardInterrupt" in line
+    assert "(counter 1 -> 0, 16384 bytes cached), left switched on by this cell's KeyboardInterrupt" in line
 
 
 @pytest.mark.parametrize("story", FIXED, indirect=True)
@@ -310,7 +310,7 @@ def test_ordinary_exception_is_released_too(story: Story) -> None:
     assert story.error_cell.error == "ValueError"
     assert story.after_error == [0, 0]
     (line,) = story.error_cell.ours()
-    assert "counter 1, 16384 bytes cached), left switched on by this cell's ValueError" in line
+    assert "(counter 1 -> 0, 16384 bytes cached), left switched on by this cell's ValueError" in line
 
 
 @pytest.mark.parametrize("story", CONTROLS, indirect=True)
