@@ -11,6 +11,19 @@ CUDA panels if matplotlib is installed.
     python benchmarks/gpu.py --dtype bfloat16     # extra options go to memory.py
     python benchmarks/gpu.py --device cpu         # smoke run of this script without a GPU
                                                   # (quick settings, results/tmp/, no plot)
+
+``--full`` runs the bug report's real size instead: ``olmoe_full.py --device cuda`` (OLMoE-1B-7B's
+shapes, random weights generated and quantized on the GPU by bitsandbytes' own ``quantize_4bit``;
+four fresh workers per layer count: unfixed, this package, upstream's fix, the report's workaround),
+recording ``memory_allocated()`` after each step and ``max_memory_allocated()`` during it. By default
+1 and 16 layers (the anchor and the whole model), 3 steps each: eight workers, each of which builds
+its model in seconds on a large GPU, so the command should finish in about 2-3 minutes (not measured
+yet: no GPU was available). Writes ``results/olmoe-full-cuda.json`` / ``.md`` and
+``docs/memory-olmoe-cuda.png``.
+
+    python benchmarks/gpu.py --full                         # 1 and 16 layers
+    python benchmarks/gpu.py --full --layers 1 2 4 8 16     # every layer count (more workers)
+    python benchmarks/gpu.py --full --device cpu            # smoke run: reduced width on the CPU
 """
 
 from __future__ import annotations
@@ -22,6 +35,34 @@ import time
 import _common as common
 import memory
 
+FULL_LAYERS = ["1", "16"]
+
+
+def full(device: str, forwarded: list[str], plot_it: bool) -> int:
+    """The OLMoE-1B-7B-shaped scenario (olmoe_full.py) on ``device``."""
+    import olmoe_full
+
+    smoke = not device.startswith("cuda")
+    arguments = ["--device", device, *forwarded]
+    if "--layers" not in forwarded:
+        arguments += ["--layers", *FULL_LAYERS]
+    if smoke:
+        arguments += ["--smoke", "--seq", "32"]
+    else:
+        arguments += ["--output", str(common.RESULTS / "olmoe-full-cuda.json")]
+    started = time.perf_counter()
+    result = olmoe_full.main(arguments)
+    assert result is not None
+    print(f"OLMoE-1B-7B-shaped benchmark on {device}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    if plot_it and not smoke:
+        try:
+            import plot
+
+            plot.plot_full(result, common.DOCS / "memory-olmoe-cuda.png")
+        except ImportError as error:
+            print(f"not plotting ({error}); pip install matplotlib", file=sys.stderr)
+    return 0
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -29,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
     parser.add_argument("--no-plot", action="store_true", help="do not redraw docs/memory.png")
+    parser.add_argument("--full", action="store_true", help="OLMoE-1B-7B's real shapes (olmoe_full.py)")
     args, forwarded = parser.parse_known_args(argv)
     smoke = not args.device.startswith("cuda")
     if not smoke:
@@ -38,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             print("no CUDA device is available; use --device cpu for a smoke run", file=sys.stderr)
             return 2
         print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", file=sys.stderr)
+    if args.full:
+        return full(args.device, forwarded, not args.no_plot)
     output = common.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
     memory_args = ["--device", args.device, "--output", str(output), *forwarded]
     if smoke and "--quick" not in forwarded:

@@ -3,6 +3,7 @@
     python benchmarks/run_all.py            # everything, about 6 minutes on 2 CPU cores
     python benchmarks/run_all.py --quick    # smoke run: small sizes, results in results/tmp/
     python benchmarks/run_all.py --gpu      # also the CUDA memory benchmark (needs a GPU)
+    python benchmarks/run_all.py --full     # also OLMoE-1B-7B's real shapes (olmoe_full.py: long)
     python benchmarks/run_all.py --only hotpath startup
 
 Each benchmark runs in its own interpreter (``sys.executable``), so the start-up hook and the
@@ -19,10 +20,10 @@ import time
 
 import _common as common
 
-BENCHMARKS = ("memory", "hotpath", "startup", "gpu", "plot")
+BENCHMARKS = ("memory", "hotpath", "startup", "gpu", "plot", "olmoe-full", "plot-full")
 
 
-def commands(quick: bool, gpu: bool) -> dict[str, list[str]]:
+def commands(quick: bool, gpu: bool, full: bool = False) -> dict[str, list[str]]:
     quick_flag = ["--quick"] if quick else []
     found = {
         "memory": ["memory.py", *quick_flag],
@@ -42,6 +43,21 @@ def commands(quick: bool, gpu: bool) -> dict[str, list[str]]:
             else []
         ),
     }
+    if full:
+        found["olmoe-full"] = [
+            "olmoe_full.py",
+            *(["--smoke", "--seq", "32", "--layers", "1", "2"] if quick else []),
+        ]
+        found["plot-full"] = ["plot.py"] + (
+            [
+                "--full",
+                str(common.RESULTS / "tmp" / "olmoe-full-cpu-smoke.json"),
+                "--output",
+                str(common.RESULTS / "tmp" / "memory-olmoe.png"),
+            ]
+            if quick
+            else ["--full"]
+        )
     if not gpu:
         del found["gpu"]
     return found
@@ -53,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smoke run; results go to results/tmp/")
     parser.add_argument("--gpu", action="store_true", help="also run gpu.py (CUDA memory benchmark)")
+    parser.add_argument("--full", action="store_true", help="also olmoe_full.py (OLMoE-1B-7B shapes)")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
     args = parser.parse_args(argv)
     failures = []
-    for name, command in commands(args.quick, args.gpu).items():
+    for name, command in commands(args.quick, args.gpu, args.full).items():
         if args.only and name not in args.only:
             continue
         print(f"\n=== {name}: python benchmarks/{' '.join(command)}", flush=True)

@@ -1,0 +1,44 @@
+"""A reduced-width smoke of benchmarks/olmoe_full.py (the OLMoE-1B-7B-shaped benchmark): same code
+path, fix against control, and the quantization cache it reuses between columns.
+
+The full-size run is a benchmark (benchmarks/README.md); this only checks that the script's
+figures mean what they say, in seconds: one layer, two steps, two columns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import AFFECTED, ROOT, TRANSFORMERS, run_python
+from packaging.version import Version
+
+pytestmark = pytest.mark.skipif(
+    not AFFECTED or TRANSFORMERS is None or Version(TRANSFORMERS) < Version("5"),
+    reason="needs an affected bitsandbytes (0.48-0.49) and transformers 5's fused experts",
+)
+
+
+def test_olmoe_full_smoke_leaks_unfixed_and_not_fixed(tmp_path: Path) -> None:
+    output = tmp_path / "smoke.json"
+    args = [str(ROOT / "benchmarks" / "olmoe_full.py"), "--smoke", "--layers", "1", "--steps", "2"]
+    args += ["--seq", "16", "--columns", "unfixed", "bnb-gc-fix", "--cache", str(tmp_path / "cache")]
+    run = run_python([*args, "--output", str(output)], timeout=240)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    result = json.loads(output.read_text())
+    unfixed, fixed = result["runs"]
+    per_layer = unfixed["expert_parameters_per_layer"]
+    # Control: the counter climbs by 2 a step (two quantized stacks), the cache holds the layer's
+    # dequantized experts (bfloat16) after every step. Fix: counter 0, cache empty.
+    assert [s["counter"] for s in unfixed["steps"]] == [2, 4]
+    assert [s["cache_bytes"] for s in unfixed["steps"]] == [per_layer * 2] * 2
+    assert [s["counter"] for s in fixed["steps"]] == [0, 0]
+    assert [s["cache_bytes"] for s in fixed["steps"]] == [0, 0]
+    assert result["anchor"]["reproduced"] is True
+    # The first worker quantized (in chunks) and saved the layer; the second rebuilt it from the
+    # cache through replace_parameter_4bit: the same model, so the same first loss.
+    assert (unfixed["layers_from_cache"], fixed["layers_from_cache"]) == (0, 1)
+    assert unfixed["steps"][0]["loss"] == fixed["steps"][0]["loss"]
+    check = result["chunking_check"]
+    assert check["packed_equal"] and check["absmax_equal"] and check["dequantized_equal"]
