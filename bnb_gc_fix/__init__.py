@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from bnb_gc_fix._version import __version__
-from bnb_gc_fix.activation import LibraryStatus, Status, activate, deactivate, status
+from bnb_gc_fix.activation import activate, deactivate, status
 from bnb_gc_fix.errors import (
     BnbGcFixWarning,
     CacheLeakError,
@@ -21,6 +21,7 @@ from bnb_gc_fix.errors import (
     SwitchValueWarning,
 )
 from bnb_gc_fix.guard import guard
+from bnb_gc_fix.report import LibraryStatus, Status
 
 if TYPE_CHECKING:
     import torch

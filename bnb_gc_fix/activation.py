@@ -14,78 +14,15 @@ import os
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide, inflight, notebook
+from bnb_gc_fix import decide, inflight, installed, notebook, report
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
+from bnb_gc_fix.report import LibraryStatus, Status
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
 
 logger = logging.getLogger("bnb_gc_fix")
-
-
-@dataclass(frozen=True)
-class LibraryStatus:
-    """Where the fix stands for one patched library (see :mod:`bnb_gc_fix.targets`)."""
-
-    name: str
-    """The library: "bitsandbytes", "axolotl"."""
-    version: str | None
-    """Its ``__version__``, or None if it is not imported."""
-    affected: bool | None
-    """Its code registers the leaking plain pair (None: not known yet)."""
-    patched: bool
-    """Its functions are wrapped by this package right now."""
-    reason: str
-    """A human sentence: why it is, or is not, patched."""
-
-
-@dataclass(frozen=True)
-class Status:
-    """Where the fix stands in this process."""
-
-    active: bool
-    """bitsandbytes' functions are wrapped by this package right now."""
-    reason: str
-    """A human sentence: why the fix is, or is not, active."""
-    bitsandbytes: str | None
-    """``bitsandbytes.__version__``, or None if bitsandbytes is not imported."""
-    torch: str | None
-    """``torch.__version__``, or None if torch is not imported."""
-    state: str = "off"
-    """One word a user can act on: "patched" (the fix is on: bitsandbytes, or a look-alike library
-    in :attr:`libraries`, is patched), "armed" (waiting for bitsandbytes' 4-bit code to be
-    imported, then it decides and patches), "not needed" (this bitsandbytes cannot leak this way),
-    "off" (switched off by BNB_GC_FIX or deactivate()), "skipped" (bitsandbytes or torch internals
-    did not look as expected; nothing patched, one warning)."""
-    counter: int | None = None
-    """torch's parametrization-cache counter right now (above 0 after a step is the leak); None
-    while torch's parametrize module is not imported (status() never imports it)."""
-    cache_bytes: int | None = None
-    """Bytes of tensors held by torch's parametrization cache right now; None like ``counter``."""
-    pending: bool = False
-    """Waiting for ``bitsandbytes.nn.parametrize`` to be imported, to decide and patch then."""
-    affected: bool | None = None
-    """The imported bitsandbytes registers the leaking plain pair (None: not known yet)."""
-    probe: str | None = None
-    """What the probe of bitsandbytes' code saw, in a few words."""
-    mode: str = boot.AUTO
-    """The ``BNB_GC_FIX`` mode: auto, on, off or force."""
-    switch: str | None = None
-    """The raw ``BNB_GC_FIX`` value, or None when unset."""
-    via: str | None = None
-    """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
-    process when the package was first imported (it would have turned the fix on anyway), "import"
-    when nothing else was, "activate()" after a deactivate(); None while the fix is off (nothing
-    patched, and bitsandbytes not waiting to be)."""
-    libraries: tuple[LibraryStatus, ...] = ()
-    """Every known library (bitsandbytes, axolotl, ...) that is imported or was decided on, with
-    its version, whether it is affected, and whether it is patched or why not. The other fields
-    describe bitsandbytes alone (and torch's cache, for ``counter`` and ``cache_bytes``)."""
-    cell_end_release: bool = False
-    """In IPython/Jupyter: a cell that ends with an exception and leaves the cache switched on gets
-    it released (``bnb_gc_fix.notebook``); installed with activation, on every bitsandbytes."""
 
 
 class _Library:
@@ -373,26 +310,18 @@ def _lost_reason(library: _Library) -> str:
 def _library_state(library: _Library, version: str | None) -> str:
     """One word for one library, from what its module shows right now."""
     if library.applied():
-        return "patched"
+        return report.PATCHED
     if library.lost():
-        return "unpatched"
+        return report.UNPATCHED
     if library.pending:
-        return "not needed" if version is not None and decide.before_parametrize(version) else "armed"
+        if version is not None and decide.before_parametrize(version):
+            return report.NOT_NEEDED
+        return report.ARMED
     if library.switched_off:
-        return "off"
+        return report.OFF
     if library.failed or library.verdict is None or library.verdict.unexpected:
-        return "skipped"
-    return "not needed"
-
-
-def _derive_state(library: _Library, version: str | None) -> str:
-    """The one word for ``Status.state``: any library unpatched since, any patched, or bitsandbytes'."""
-    states = [_library_state(other, other.target.version()) for other in _state.libraries.values()]
-    if "unpatched" in states:
-        return "unpatched"
-    if "patched" in states:
-        return "patched"
-    return _library_state(library, version)
+        return report.SKIPPED
+    return report.NOT_NEEDED
 
 
 def _verdict(library: _Library) -> decide.Verdict | None:
@@ -415,13 +344,12 @@ def _verdict(library: _Library) -> decide.Verdict | None:
     return library.seen
 
 
-def bitsandbytes_verdict() -> decide.Verdict | None:
-    """The decision on ``bitsandbytes.nn.parametrize`` (made to report only, where the fix is off)."""
-    return _verdict(_state.bitsandbytes)
-
-
-def _library_reason(library: _Library) -> str:
-    return _lost_reason(library) if library.lost() else library.reason
+def _library_reason(library: _Library, version: str | None) -> str:
+    if library.lost():
+        return _lost_reason(library)
+    if library.pending and library.target is BITSANDBYTES:
+        return _pending_reason(version) or library.reason
+    return library.reason
 
 
 def _cache_now() -> tuple[int | None, int | None]:
@@ -436,55 +364,47 @@ def _cache_now() -> tuple[int | None, int | None]:
         return None, None
 
 
-def _library_status(library: _Library, reason: str) -> LibraryStatus:
+def _library_status(library: _Library) -> LibraryStatus:
+    """One library's record, from what its module shows right now."""
     verdict = _verdict(library)
+    version = library.target.version()
     return LibraryStatus(
         name=library.target.name,
-        version=library.target.version(),
+        module=library.target.module,
+        version=version,
+        state=_library_state(library, version),
         affected=None if verdict is None else verdict.affected,
-        patched=library.applied(),
-        reason=reason,
+        probe=None if verdict is None else verdict.probe,
+        reason=_library_reason(library, version),
     )
+
+
+def _startup_hook() -> str:
+    if boot.installed_watcher() is not None or boot.trigger is not None:
+        return "installed"
+    return "switched off" if boot.started_by is not None else "not installed"
 
 
 def status() -> Status:
-    """Where the fix stands in this process right now."""
-    bnb = _state.bitsandbytes
-    verdict = _verdict(bnb)
-    version = decide.bitsandbytes_version()
-    reason = _library_reason(bnb)
-    if bnb.pending:
-        reason = _pending_reason(version) or reason
+    """Where the fix stands in this process right now (never imports anything, never raises)."""
     counter, cache_bytes = _cache_now()
-    if not gil_enabled():
-        reason = f"{reason}. {UNTESTED_FREE_THREADING}"
     return Status(
-        active=bnb.applied(),
-        reason=reason,
-        bitsandbytes=version,
+        libraries=tuple(
+            _library_status(library)
+            for library in _state.libraries.values()
+            if library.target is BITSANDBYTES or library.verdict is not None or library.target.imported()
+        ),
         torch=decide.torch_version(),
-        pending=bnb.pending,
-        affected=None if verdict is None else verdict.affected,
-        probe=None if verdict is None else verdict.probe,
+        counter=counter,
+        cache_bytes=cache_bytes,
         mode=boot.mode(),
         switch=_env_value(),
         via=_state.via if _state.on() else None,
-        libraries=tuple(
-            _library_status(library, reason if library is bnb else _library_reason(library))
-            for library in _state.libraries.values()
-            if library.verdict is not None or library.target.imported()
-        ),
+        startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
-        state=_derive_state(bnb, version),
-        counter=counter,
-        cache_bytes=cache_bytes,
+        gil=gil_enabled(),
+        import_errors=installed.failures(),
     )
-
-
-UNTESTED_FREE_THREADING = (
-    "Caution: this Python runs without the GIL (a free-threaded build); the fix then gates with "
-    "a lock (_LockedGate), a path never tested on such a build"
-)
 
 
 def gil_enabled() -> bool:
@@ -493,12 +413,14 @@ def gil_enabled() -> bool:
 
 
 def _pending_reason(bnb: str | None) -> str | None:
-    """A truer sentence than "waiting" when what the patch waits for can never come."""
-    if bnb is not None:
-        if decide.before_parametrize(bnb):
-            return f"{decide.no_parametrize(bnb)}; nothing to patch"
-        return None
-    if "bitsandbytes" in sys.modules:
+    """A truer sentence than "waiting" when what the patch waits for can never come, or failed."""
+    if bnb is not None and decide.before_parametrize(bnb):
+        return f"{decide.no_parametrize(bnb)}; nothing to patch"
+    failed = installed.failures()
+    for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):
+        if name in failed and name not in sys.modules:
+            return f"{failed[name]}; nothing to patch"
+    if bnb is not None or "bitsandbytes" in sys.modules:
         return None
     from importlib.machinery import PathFinder
 

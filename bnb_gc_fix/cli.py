@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -11,96 +10,25 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import __version__, decide
-from bnb_gc_fix.activation import bitsandbytes_verdict, gil_enabled
+from bnb_gc_fix import __version__
 from bnb_gc_fix.activation import status as fix_status
-from bnb_gc_fix.installed import distribution_version, failure, try_import
-from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
+from bnb_gc_fix.installed import distribution_version, import_installed
+from bnb_gc_fix.report import Status
 
 
-def _facts() -> dict[str, Any]:
-    """Everything ``status`` reports, gathered once (imports torch and bitsandbytes if present).
+def _facts() -> tuple[dict[str, Any], Status]:
+    """What ``status`` reports: the environment around the fix, and :func:`bnb_gc_fix.status`.
 
-    The decision and every sentence about it come from :func:`bnb_gc_fix.status`; this only
-    imports what is installed, so that the fix has something to decide on, and renders.
+    It imports what is installed (torch, bitsandbytes, the look-alikes), so that the fix has
+    something to decide on; every decision and every sentence comes from ``status()``.
     """
-    watcher = boot.installed_watcher()
-    facts: dict[str, Any] = {
+    import_installed()
+    around = {
         "bnb_gc_fix": __version__,
         "python": platform.python_version(),
-        "gil": gil_enabled(),  # False: free-threaded build without the GIL (an untested path)
-        "torch": None,
-        "bitsandbytes": None,
         "transformers": distribution_version("transformers"),
-        "switch": None,
-        "mode": boot.mode(),
-        "startup_hook": watcher is not None or boot.started_by is not None,
-        "startup_hook_switched_off": watcher is None and boot.trigger is None and boot.started_by is not None,
-        "in_affected_range": None,
-        "probe": None,
-        "affected": None,
-        "verdict": None,
-        "import_errors": {},
     }
-    torch, problem = try_import("torch")
-    if torch is None:
-        facts["verdict"] = f"{problem}; nothing to patch"
-        facts["import_errors"]["torch"] = problem
-    else:
-        facts["torch"] = str(getattr(torch, "__version__", "unknown"))
-        bitsandbytes, problem = try_import("bitsandbytes")
-        if bitsandbytes is None:
-            facts["verdict"] = f"{problem}; nothing to patch"
-            facts["import_errors"]["bitsandbytes"] = problem
-        else:
-            facts["bitsandbytes"] = str(getattr(bitsandbytes, "__version__", "unknown"))
-            parametrize, problem = try_import(decide.PARAMETRIZE)
-            if parametrize is None:
-                version = facts["bitsandbytes"]
-                if decide.before_parametrize(version):
-                    facts["verdict"] = f"{decide.no_parametrize(version)}; nothing to patch"
-                else:
-                    facts["verdict"] = f"{problem}; nothing to patch"
-                    facts["import_errors"][decide.PARAMETRIZE] = problem
-        _import_look_alikes(facts["import_errors"])
-    facts["in_affected_range"] = decide.in_affected_range(facts["bitsandbytes"])
-    verdict = bitsandbytes_verdict()
-    if verdict is not None:
-        facts["probe"] = verdict.probe
-        facts["affected"] = verdict.affected
-        facts["verdict"] = verdict.reason
-    current = fix_status()
-    facts.update(
-        active=current.active,
-        state=current.state,
-        reason=current.reason,
-        via=current.via,
-        switch=current.switch,
-        libraries=[dataclasses.asdict(library) for library in current.libraries],
-        cell_end_release=current.cell_end_release,
-        counter=current.counter,
-        cache_bytes=current.cache_bytes,
-    )
-    return facts
-
-
-def _import_look_alikes(errors: dict[str, str | None]) -> None:
-    """Import the patched module of every installed look-alike library, so the fix decides on it."""
-    from importlib.util import find_spec
-
-    for target in TARGETS:
-        if target is BITSANDBYTES:
-            continue
-        try:
-            if find_spec(target.name) is None:
-                continue
-        except (Exception, SystemExit) as error:
-            errors[target.name] = failure(target.name, error)
-            continue
-        module, problem = try_import(target.module)
-        if module is None:
-            errors[target.name] = problem
+    return around, fix_status()
 
 
 def _print_json(payload: dict[str, Any]) -> None:
@@ -108,68 +36,14 @@ def _print_json(payload: dict[str, Any]) -> None:
     print(json.dumps(payload, sort_keys=True))
 
 
-_VIA = {"start-up hook": "the start-up hook", "runner": "bnb-gc-fix run", "import": "import bnb_gc_fix"}
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
-    facts = _facts()
+    around, current = _facts()
     if args.json:
-        _print_json(facts)
+        _print_json({**around, **current.as_dict()})
         return 0
-
-    def show(value: Any, name: str = "") -> str:
-        if value is None and name in facts["import_errors"]:
-            installed = distribution_version(name)
-            return f"{installed or 'installed'}, fails to import (see why)"
-        return "not installed" if value is None else str(value)
-
-    def number(value: int | None) -> str:
-        return "- (torch's parametrization module is not imported)" if value is None else str(value)
-
-    state = facts["state"]
-    if facts["via"] and state in ("patched", "armed"):
-        state += f" (turned on by {_VIA.get(facts['via'], facts['via'])})"
-    print(f"bnb-gc-fix {facts['bnb_gc_fix']}")
-    print(f"  python         {facts['python']}")
-    if not facts["gil"]:
-        print("  free-threaded: the GIL is off; the fix's locked gate is untested on such a build")
-    print(f"  torch          {show(facts['torch'], 'torch')}")
-    print(f"  bitsandbytes   {show(facts['bitsandbytes'], 'bitsandbytes')}")
-    print(f"  transformers   {show(facts['transformers'])}")
-    print(f"state:           {state}")
-    if not (facts["verdict"] and facts["reason"].startswith(facts["verdict"])):
-        print(f"  why:           {facts['reason']}")  # only when it says more than "affected" below
-    affected = {True: "yes", False: "no", None: "no (nothing to judge)"}[facts["affected"]]
-    print(f"affected:        {affected}")
-    print(f"  why:           {facts['verdict']}")
-    print(f"cache counter:   {number(facts['counter'])}")
-    print(f"cache bytes:     {number(facts['cache_bytes'])}")
-    hook = "installed" if facts["startup_hook"] else "not installed"
-    if facts["startup_hook_switched_off"]:
-        hook += f", switched off by {boot.VARIABLE}"
-    print(f"start-up hook:   {hook}")
-    switch = "unset" if facts["switch"] is None else facts["switch"]
-    print(f"{boot.VARIABLE}:      {switch} (mode {facts['mode']})")
-    release = "installed" if facts["cell_end_release"] else "not installed (IPython/Jupyter only)"
-    print(f"cell-end release: {release}")
-    print("libraries:")
-    for library in facts["libraries"]:
-        affected = {True: "yes", False: "no", None: "not known"}[library["affected"]]
-        print(
-            f"  {library['name']:<14} {show(library['version'])}: affected {affected}, "
-            f"{'patched' if library['patched'] else 'not patched'}"
-        )
-        if library["name"] != "bitsandbytes":  # its sentence is printed above
-            print(f"    why:         {library['reason']}")
-    look_alikes = {
-        n: p
-        for n, p in facts["import_errors"].items()
-        if n in {t.name for t in TARGETS if t is not BITSANDBYTES}
-    }
-    for name, problem in look_alikes.items():
-        print(f"  {name:<14} {problem}")
-    if not facts["libraries"] and not look_alikes:
-        print("  none imported")
+    transformers = around["transformers"] or "not installed"
+    print(f"bnb-gc-fix {around['bnb_gc_fix']} (Python {around['python']}, transformers {transformers})")
+    print(current)
     return 0
 
 
@@ -198,22 +72,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
         payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
         if result is not None:
             payload.update(result.as_dict())
-        payload.update(
-            error=error,
-            exit_code=code,
-            bitsandbytes=current.bitsandbytes,
-            torch=current.torch,
-            active=current.active,
-            state=current.state,
-            reason=current.reason,
-        )
+        payload.update(error=error, exit_code=code, status=current.as_dict())
         _print_json(payload)
         return code
     if result is None:
         print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
         return code
     print(
-        f"bnb-gc-fix check: bitsandbytes {current.bitsandbytes}, torch {current.torch}, "
+        f"bnb-gc-fix check: bitsandbytes {current.bitsandbytes.version}, torch {current.torch}, "
         f"device {result.device}, fix {current.state}"
     )
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")

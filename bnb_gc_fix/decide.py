@@ -59,11 +59,6 @@ def version_in_range(target: Target, version: str | None) -> bool | None:
     return Version(target.first_affected) <= release < Version(target.first_fixed)
 
 
-def in_affected_range(version: str | None) -> bool | None:
-    """Whether a bitsandbytes version string falls in 0.48.0 <= v < 0.50.0 (None: unknown)."""
-    return version_in_range(BITSANDBYTES, version)
-
-
 def torch_too_old(version: str | None) -> bool:
     """Whether a torch version predates forward hooks with ``always_call=True`` (``MIN_TORCH``)."""
     parsed = _parse(version)

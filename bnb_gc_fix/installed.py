@@ -32,13 +32,50 @@ def failure(name: str, error: BaseException) -> str:
     return f"{installed} but {what}fails to import ({type(error).__name__}: {error})"
 
 
+_failures: dict[str, str] = {}
+
+
+def failures() -> dict[str, str]:
+    """Every failed :func:`try_import` of this process: module name -> what went wrong."""
+    return dict(_failures)
+
+
 def try_import(name: str) -> tuple[ModuleType | None, str | None]:
     """Import ``name``; returns ``(module, None)`` or ``(None, what went wrong)``, never raises.
 
     A broken install can raise anything at import, ``SystemExit`` included; only
-    ``KeyboardInterrupt`` goes through.
+    ``KeyboardInterrupt`` goes through. A failure is remembered (``status().import_errors``).
     """
     try:
-        return importlib.import_module(name), None
+        module = importlib.import_module(name)
     except (Exception, SystemExit) as error:
-        return None, failure(name, error)
+        _failures[name] = problem = failure(name, error)
+        return None, problem
+    _failures.pop(name, None)
+    return module, None
+
+
+def import_installed() -> None:
+    """Import what the fix decides on, as far as it imports: torch, bitsandbytes' 4-bit module, and
+    the patched module of every installed look-alike library. Failures are remembered, never raised."""
+    from importlib.util import find_spec
+
+    from bnb_gc_fix.decide import PARAMETRIZE, before_parametrize
+    from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
+
+    torch, _ = try_import("torch")
+    if torch is None:
+        return
+    bitsandbytes, _ = try_import("bitsandbytes")
+    if bitsandbytes is not None and not before_parametrize(str(getattr(bitsandbytes, "__version__", "0"))):
+        try_import(PARAMETRIZE)
+    for target in TARGETS:
+        if target is BITSANDBYTES:
+            continue
+        try:
+            if find_spec(target.name) is None:
+                continue
+        except (Exception, SystemExit) as error:
+            _failures[target.name] = failure(target.name, error)
+            continue
+        try_import(target.module)

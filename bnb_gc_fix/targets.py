@@ -90,4 +90,4 @@ AXOLOTL = Target(
 )
 
 TARGETS: tuple[Target, ...] = (BITSANDBYTES, AXOLOTL)
-"""Every patched library; bitsandbytes first (``Status``'s own fields describe it)."""
+"""Every patched library; bitsandbytes first (``Status.libraries[0]``)."""

@@ -330,12 +330,12 @@ PENDING = (
     + """
 import json, os
 import bnb_gc_fix
-pending = bnb_gc_fix.status().pending
+pending = bnb_gc_fix.status().bitsandbytes.state == "armed"
 CANCEL
 from bitsandbytes.nn import parametrize
 status = bnb_gc_fix.status()
 print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, "__wrapped__"),
-    status.active, status.pending, status.reason]))
+    status.active, status.bitsandbytes.state == "armed", status.reason]))
 """
 )
 

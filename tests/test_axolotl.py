@@ -212,7 +212,7 @@ def test_cli_status_lists_axolotl() -> None:
     assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True and axolotl["patched"] is True
     assert "probe found a plain forward hook pair" in axolotl["reason"]
     text = run_python(["-m", "bnb_gc_fix", "status"], env=env).stdout
-    assert "axolotl        0.19.0: affected yes, patched" in text
+    assert "axolotl 0.19.0: patched" in text.splitlines()
 
 
 def test_unexpected_axolotl_internals_mean_no_patch_and_one_warning() -> None:

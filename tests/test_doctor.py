@@ -30,7 +30,7 @@ def test_check_control_exits_1_when_switched_off() -> None:
         return
     assert result.returncode == 1, result.stderr
     payload = json.loads(result.stdout)
-    assert payload["protected"] is False and payload["active"] is False
+    assert payload["protected"] is False and payload["status"]["active"] is False
     counters = [s["counter"] for s in payload["steps"]]
     assert len(counters) == 4 and counters[0] > 0 and counters == sorted(counters)
     assert all(s["cache_bytes"] > 0 for s in payload["steps"])
@@ -83,19 +83,24 @@ def test_status_json_on_an_affected_bitsandbytes() -> None:
     assert line == json.dumps(facts, sort_keys=True)
     assert facts["state"] == ("patched" if AFFECTED else "not needed")
     assert facts["counter"] == 0 and facts["cache_bytes"] == 0
-    assert facts["bitsandbytes"] == BITSANDBYTES and str(TORCH).startswith(facts["torch"].split("+")[0])
-    assert facts["affected"] is AFFECTED and facts["in_affected_range"] is AFFECTED
+    [bnb] = facts["libraries"]  # one record per library; bitsandbytes' is the first
+    assert bnb["name"] == "bitsandbytes" and bnb["module"] == "bitsandbytes.nn.parametrize"
+    assert bnb["version"] == BITSANDBYTES and str(TORCH).startswith(facts["torch"].split("+")[0])
+    assert bnb["affected"] is AFFECTED and bnb["patched"] is AFFECTED and bnb["state"] == facts["state"]
     assert facts["active"] is AFFECTED and facts["via"] == ("start-up hook" if AFFECTED else None)
-    assert facts["startup_hook"] is True
-    assert ("plain forward hook pair" if AFFECTED else "always_call=True") in facts["probe"]
+    assert facts["startup_hook"] == "installed"
+    assert ("plain forward hook pair" if AFFECTED else "always_call=True") in bnb["probe"]
+    assert facts["reason"] == bnb["reason"]
     assert facts["switch"] is None and facts["mode"] == "auto"
-    for key in ("python", "transformers", "reason", "verdict", "bnb_gc_fix"):
+    for key in ("python", "transformers", "reason", "bnb_gc_fix"):
         assert facts[key]
+    # Nothing about bitsandbytes is said twice: its facts live in its record alone.
+    assert not {"bitsandbytes", "affected", "probe", "pending", "verdict"} & set(facts)
 
 
 def test_status_json_switched_off_still_says_affected() -> None:
     facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], switch="off").stdout)
-    assert facts["affected"] is True and facts["active"] is False
+    assert facts["libraries"][0]["affected"] is True and facts["active"] is False
     assert facts["mode"] == "off" and facts["switch"] == "off"
     assert "disabled by the environment" in facts["reason"] and facts["state"] == "off"
 
@@ -105,9 +110,11 @@ def test_status_text_names_versions_and_decision() -> None:
     result = run_python(["-m", "bnb_gc_fix", "status"])
     assert result.returncode == 0
     yes = "yes" if AFFECTED else "no"
-    state = "patched (turned on by the start-up hook)" if AFFECTED else "not needed"
-    for needle in (f"bitsandbytes   {BITSANDBYTES}", f"affected:        {yes}", f"state:           {state}"):
-        assert needle in result.stdout
+    state = "patched, turned on by the start-up hook" if AFFECTED else "not needed"
+    lines = result.stdout.splitlines()
+    assert f"state:            {state}" in lines
+    assert f"bitsandbytes {BITSANDBYTES}: {'patched' if AFFECTED else 'not needed'}" in lines
+    assert any(line.startswith(f"  affected:       {yes} (the probe found: ") for line in lines)
 
 
 # --- the guard ---------------------------------------------------------------------------------

@@ -119,6 +119,17 @@ def pytest_runtest_teardown(item):
             out.write(json.dumps([item.name, P._cache_enabled, len(P._cache)]) + "\\n")
 """
 
+SEEDED = """
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    import torch
+
+    torch.manual_seed(0)
+"""
+
 LEAK_LINE = re.compile(r"^LEAK (\S+): P\._cache_enabled = (-?\d+), (\d+) bytes cached$", re.MULTILINE)
 
 
@@ -275,9 +286,20 @@ def test_bitsandbytes_own_parametrize_tests(tmp_path: Path) -> None:
             "put the tests/ folder of a checkout of its tag there, or point BNB_GC_FIX_BNB_TESTS at one)"
         )
     # The float32 cases: the float16/bfloat16 ones run the same hooks and triple the time (80 tests in
-    # all, about 30 s here; none of them is flagged, nor are the 28 kept here).
-    args = ("tests/test_parametrize.py", "--parametrize-cache-check", "-q", "-k", "not fp16 and not bf16")
-    run = _pytest(tmp_path, {}, *args, switch="0", cwd=UPSTREAM_TESTS)
+    # all, about 30 s here; none of them is flagged, nor are the 28 kept here). Its error bounds are
+    # measured on unseeded random tensors and a case fails now and then (mean rel error 0.2612 against
+    # 0.2611 seen once): each test starts from a fixed seed, so a run is the same run every time.
+    seeded = {"seeded.py": SEEDED}
+    args = (
+        "tests/test_parametrize.py",
+        "-p",
+        "seeded",
+        "--parametrize-cache-check",
+        "-q",
+        "-k",
+        "not fp16 and not bf16",
+    )
+    run = _pytest(tmp_path, seeded, *args, switch="0", cwd=UPSTREAM_TESTS)
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^\d+ passed", run.stdout.splitlines()[-1]), run.stdout[-2000:]
     assert (tmp_path / "oracle.jsonl").exists()  # the witness saw every test

@@ -37,7 +37,7 @@ def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> Non
         "from bitsandbytes.nn import parametrize\n"
         "import bitsandbytes, bnb_gc_fix\n"
         "s = bnb_gc_fix.activate()\n"
-        "print(json.dumps([bitsandbytes.__version__, s.active, s.affected,"
+        "print(json.dumps([bitsandbytes.__version__, s.active, s.bitsandbytes.affected,"
         " hasattr(parametrize._register_parametrization_hooks, '__wrapped__')]))\n"
     )
     result = run_python(["-c", code], env=_env(bnb_050, "on"))
@@ -49,8 +49,9 @@ def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> Non
 def test_status_json_on_upstream_fixed(bnb_050: Path) -> None:
     result = run_python(["-m", "bnb_gc_fix", "status", "--json"], env=_env(bnb_050))
     facts = json.loads(result.stdout)
-    assert facts["bitsandbytes"] == VERSION
-    assert facts["affected"] is False and facts["in_affected_range"] is False
+    [bnb] = facts["libraries"]
+    assert bnb["version"] == VERSION and bnb["state"] == "not needed"
+    assert bnb["affected"] is False and bnb["patched"] is False
     assert facts["active"] is False
     assert "upstream fix" in facts["reason"]
 
