@@ -117,6 +117,33 @@ def run_code(code: str, switch: str | None = None, **kwargs: Any) -> Run:
     return result
 
 
+# `bnb-gc-fix` commands run one after another in one fresh interpreter: each is the console
+# script's main() with its stdout and stderr captured, and its exit code. A command leaves nothing
+# behind that changes the next one's answer (each imports what it needs again, and a failed import
+# is tried afresh), so one interpreter answers for several commands.
+_CLI_CALLS = """
+import contextlib, io, json, sys
+from bnb_gc_fix.cli import main
+def call(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(args)
+    return [code, out.getvalue(), err.getvalue()]
+print("CLI_CALLS " + json.dumps([call(args) for args in CALLS]))
+"""
+
+
+def cli_calls(
+    *calls: list[str], prelude: str = "", switch: str | None = None, **kwargs: Any
+) -> list[tuple[int, str, str]]:
+    """``bnb-gc-fix ARGS`` for each of ``calls``, in one fresh interpreter after ``prelude``:
+    ``(exit code, stdout, stderr)`` each."""
+    code = prelude + f"\nCALLS = {list(calls)!r}\n" + _CLI_CALLS
+    result = run_code(code, switch=switch, **kwargs)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("CLI_CALLS "))
+    return [(code, out, err) for code, out, err in json.loads(line[len("CLI_CALLS ") :])]
+
+
 def tiny_olmoe(*flags: str, switch: str | None = None, **kwargs: Any) -> Run:
     result = run_python([str(TINY_OLMOE), *flags], switch=switch, **kwargs)
     assert result.returncode == 0, f"tiny_olmoe failed:\n{result.stdout}\n{result.stderr}"

@@ -1,4 +1,4 @@
-"""Issue 12: axolotl's copy of the cache pair (8-bit MoE experts), fixed with no code change.
+"""axolotl's copy of the cache pair (8-bit MoE experts), fixed with no code change.
 
 The real axolotl wheels are installed with ``--no-deps`` into the test cache (``moe_quant`` needs
 nothing beyond the ``test`` extra: torch, bitsandbytes, transformers, accelerate). Each runs on the

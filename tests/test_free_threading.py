@@ -26,15 +26,17 @@ module(torch.randn(2, 64))
 print(json.dumps([type(gate_of(module)).__name__, quantized.counter(), bnb_gc_fix.status().reason]))
 """
 
-CLI = "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))\n"
+CLI = "from bnb_gc_fix.cli import main\nprint('STATUS')\nraise SystemExit(main(['status']))\n"
 
 
 @pytest.mark.stack
 @pytest.mark.parametrize("gil", [False, True], ids=["gil-off", "control-gil-on"])
 def test_without_the_gil_the_locked_gate_runs_and_status_says_it_is_untested(gil: bool) -> None:
-    name, counter, reason = json.loads(run_code(("" if gil else GIL_OFF) + GATE, switch=FIX).stdout)
+    # One interpreter: the gate, then `bnb-gc-fix status` (it runs under the fix's own switch there).
+    out = run_code(("" if gil else GIL_OFF) + GATE + CLI, switch=FIX).stdout.splitlines()
+    name, counter, reason = json.loads(next(line for line in out if line.startswith("[")))
     assert counter == 0  # the Ctrl-C hold healed at the next forward, locked or not
     assert name == ("Gate" if gil else "_LockedGate")
     assert ("never tested" in reason) is not gil
-    text = run_code(("" if gil else GIL_OFF) + CLI).stdout
-    assert ("  Caution: this Python runs without the GIL" in text.splitlines()[2]) is not gil
+    text = out[out.index("STATUS") + 1 :]
+    assert ("  Caution: this Python runs without the GIL" in text[2]) is not gil

@@ -20,6 +20,7 @@ from conftest import (
     BITSANDBYTES,
     SCENARIOS,
     WITHOUT_STARTUP_HOOK,
+    cli_calls,
     environment,
     pip_target,
     run_code,
@@ -65,12 +66,12 @@ def _broken_install(tmp_path: Path, name: str, raises: str) -> Path:
 def test_doctor_answers_for_a_broken_install(tmp_path: Path, case: str) -> None:
     name, raises = BROKEN[case]
     env = environment(PYTHONPATH=str(_broken_install(tmp_path, name, raises)))
-    text = run_python(["-m", "bnb_gc_fix", "status"], env=env)
-    assert text.returncode == 0, text.stderr
-    assert "Traceback" not in text.stderr
-    as_json = run_python(["-m", "bnb_gc_fix", "status", "--json"], env=env)
-    assert as_json.returncode == 0, as_json.stderr
-    [line] = as_json.stdout.splitlines()
+    checks = [] if name == "axolotl" else [["check", "--json", "--steps", "1"]]
+    text, as_json, *check = cli_calls(["status"], ["status", "--json"], *checks, env=env)
+    assert text[0] == 0, text[2]
+    assert "Traceback" not in text[2]
+    assert as_json[0] == 0, as_json[2]
+    [line] = as_json[1].splitlines()
     facts = json.loads(line)
     # Installed and failing is named as such, with what it raised; never "not installed".
     [failure] = [
@@ -78,27 +79,22 @@ def test_doctor_answers_for_a_broken_install(tmp_path: Path, case: str) -> None:
     ]
     assert f"{name} 9.9.9 is installed but" in failure and "fails to import" in failure, failure
     assert raises.split("(")[0] in failure
-    assert "fails to import" in text.stdout
+    assert "fails to import" in text[1]
     if name == "axolotl":
         assert facts["libraries"][0]["version"] == BITSANDBYTES  # the rest of the report is whole
         return
     reason = facts["libraries"][0]["reason"]
     assert reason == f"{failure}; nothing to patch" and facts["reason"] == reason
-    check = run_python(["-m", "bnb_gc_fix", "check", "--json", "--steps", "1"], env=env)
-    assert check.returncode == 2, check.stderr
-    [line] = check.stdout.splitlines()
+    [(code, out, err)] = check
+    assert code == 2, err
+    [line] = out.splitlines()
     report = json.loads(line)
     assert report["exit_code"] == 2 and "is installed but fails to import" in report["error"]
     assert "install bitsandbytes>=0.48" not in report["error"]
 
 
-def test_doctor_answers_usage_errors_in_json_and_quietly_on_a_closed_stdout() -> None:
-    for args, needle in ((["--steps", "0"], "must be at least 1"), (["--device", "tpu"], "invalid choice")):
-        result = run_python(["-m", "bnb_gc_fix", "check", "--json", *args])
-        assert result.returncode == 2
-        [line] = result.stdout.splitlines()  # one JSON object, even for an argparse error
-        report = json.loads(line)
-        assert report["exit_code"] == 2 and needle in report["error"] and report["protected"] is None
+def test_doctor_exits_quietly_on_a_closed_stdout() -> None:
+    # (Usage errors under --json: tests/test_command_line.py, test_command_line_messages_...)
     # `bnb-gc-fix status --json | true`: the reader is gone before anything is written.
     script = (
         "import subprocess, sys\n"
@@ -112,11 +108,14 @@ def test_doctor_answers_usage_errors_in_json_and_quietly_on_a_closed_stdout() ->
 
 
 def test_status_with_the_switch_off_gives_one_answer() -> None:
-    facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], switch="0").stdout)
+    (_, line, _), (_, text, _) = cli_calls(["status", "--json"], ["status"], switch="0")
+    facts = json.loads(line)
     [bnb] = facts["libraries"]
     assert bnb["affected"] is AFFECTED and bnb["state"] == facts["state"] == "off"
+    assert facts["active"] is False and facts["mode"] == "off" and facts["switch"] == "0"
+    assert "disabled by the environment" in facts["reason"]
     assert facts["startup_hook"] == "switched off"
-    lines = run_python(["-m", "bnb_gc_fix", "status"], switch="0").stdout.splitlines()
+    lines = text.splitlines()
     assert "start-up hook:    switched off" in lines
     yes = "yes" if AFFECTED else "no"
     assert f"bitsandbytes {BITSANDBYTES}: off" in lines

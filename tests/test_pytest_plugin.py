@@ -1,4 +1,4 @@
-"""Issue 18: the pytest plugin (``pytest --parametrize-cache-check``) that reports leaking tests.
+"""The pytest plugin (``pytest --parametrize-cache-check``) that reports leaking tests.
 
 Each case is a fresh ``python -m pytest`` run in a temporary folder, on test files written here in the
 shape of the regression tests that upstream projects write; every verdict has its control beside it

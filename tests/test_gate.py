@@ -1,4 +1,5 @@
-"""Issue 2: the cache gate on bitsandbytes 0.49.x. Each test pairs the fix with a control that leaks."""
+"""The cache gate on an affected bitsandbytes: a forward left early (checkpointing, Ctrl-C) no longer leaves
+the cache on, with outputs and losses unchanged. Each test pairs the fix with a control that leaks."""
 
 from __future__ import annotations
 

@@ -1,0 +1,236 @@
+"""The ``bnb-gc-fix`` command line, as a user meets it: every path of ``check`` ends with its
+documented exit code (0 protected, 1 leak, 2 cannot run) and, with ``--json``, one JSON object;
+``status`` renders ``bnb_gc_fix.status()`` with each sentence once; messages name no internals."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import AFFECTED, BITSANDBYTES, TORCH, WITHOUT_STARTUP_HOOK, cli_calls, run_code, run_python
+
+INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_", "b'/", "bnb_gc_fix.")
+
+# --- every path of `check` ----------------------------------------------------------------------
+
+# One interpreter per path: a prelude sets the path up for real (an import blocked by a meta-path
+# finder, a CPU-only torch asked for CUDA, ...), then `check --json` and `check` both run in it.
+
+BLOCK = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == {name!r} or name.startswith({name!r} + "."):
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+PATHS = {
+    # CUDA asked for on this machine's CPU-only torch build.
+    "cuda-on-cpu-only-torch": ("", ["--device", "cuda"], "without CUDA support"),
+    # A CUDA build of torch on a machine without a usable device (the build flag set, no device).
+    "cuda-build-without-device": (
+        "import torch; torch.version.cuda = '12.4'\n",
+        ["--device", "cuda"],
+        "no CUDA device is available",
+    ),
+    "torch-missing": (BLOCK.format(name="torch"), [], "torch is not installed; install torch"),
+    "torch-too-old": ("import torch; torch.__version__ = '2.0.1'\n", [], "torch 2.0.1 is too old"),
+    "bitsandbytes-missing": (BLOCK.format(name="bitsandbytes"), [], "install bitsandbytes>=0.48"),
+    "bitsandbytes-too-old": (
+        BLOCK.format(name="bitsandbytes.nn.parametrize")
+        + "import bitsandbytes; bitsandbytes.__version__ = '0.47.0'\n",
+        [],
+        "bitsandbytes 0.47.0 has no bitsandbytes.nn.parametrize",
+    ),
+    # Internals the fix does not expect: the fix skips (one warning) and bitsandbytes' own
+    # quantization then fails inside the synthetic run.
+    "unexpected-internals": (
+        WITHOUT_STARTUP_HOOK
+        + "import warnings; warnings.simplefilter('ignore')\n"
+        + "from bitsandbytes.nn import parametrize\n"
+        + "del parametrize._disable_parametrization_cache\n",
+        [],
+        "the synthetic model failed",
+    ),
+    "exception-in-the-run": (
+        "import torch.utils.checkpoint as c\n"
+        "def broken(*args, **kwargs): raise RuntimeError('simulated failure')\n"
+        "c.checkpoint = broken\n",
+        [],
+        "RuntimeError: simulated failure",
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_every_check_path_exits_2_with_one_json_object(path: str) -> None:
+    prelude, extra, message = PATHS[path]
+    args = ["check", "--steps", "2", *extra]
+    (json_code, json_out, _), (text_code, text_out, text_err) = cli_calls(
+        [*args, "--json"], args, prelude=prelude
+    )
+    assert json_code == text_code == 2, (json_out, text_err)
+    [payload_line] = json_out.splitlines()  # exactly one line, one object
+    payload = json.loads(payload_line)
+    assert payload_line == json.dumps(payload, sort_keys=True)  # the one JSON style
+    assert payload["exit_code"] == 2 and payload["protected"] is None and payload["steps"] == []
+    assert message in payload["error"]
+    assert text_out == "" and text_err.startswith("bnb-gc-fix check: cannot run: ") and message in text_err
+    for word in INTERNALS:
+        assert word not in text_err + payload["error"], word
+    if path == "unexpected-internals":
+        assert payload["status"]["state"] == "skipped" and payload["status"]["active"] is False
+
+
+def test_check_cuda_on_this_cpu_only_torch_from_the_console_script() -> None:
+    """The reported symptom itself: a traceback and exit 1 (read by CI as a leak)."""
+    console = str(Path(sys.executable).parent / "bnb-gc-fix")
+    result = run_python(["check", "--device", "cuda", "--json"], executable=console)
+    assert result.returncode == 2
+    assert json.loads(result.stdout)["exit_code"] == 2
+    assert "Traceback" not in result.stderr
+
+
+# --- the smaller command-line paths (no torch needed: one interpreter) --------------------------
+
+CLI_PATHS = """
+import contextlib, io, json
+from bnb_gc_fix.cli import main
+def call(args):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(args)
+        except SystemExit as exit:
+            code = exit.code
+    return [code, out.getvalue() + err.getvalue()]
+print(json.dumps({
+    "no-arguments": call([]),
+    "steps-abc": call(["check", "--steps", "abc"]),
+    "steps-0": call(["check", "--steps", "0"]),
+    "device-tpu": call(["check", "--device", "tpu"]),
+    "json-steps-0": call(["check", "--json", "--steps", "0"]),
+    "json-device-tpu": call(["check", "--json", "--device", "tpu"]),
+    "no-such-command": call(["run", "--", "no-such-cmd-bnb-gc-fix"]),
+    "run-nothing": call(["run"]),
+    "torch-imported": "torch" in __import__("sys").modules,
+}))
+"""
+
+
+def test_command_line_messages_are_clear_and_name_no_internals() -> None:
+    outcome = json.loads(run_code(CLI_PATHS).stdout)
+    code, text = outcome["no-arguments"]
+    assert code == 2 and "usage: bnb-gc-fix" in text and "give a command" in text
+    code, text = outcome["steps-abc"]
+    assert code == 2 and "'abc' is not a whole number" in text and "invalid" not in text
+    code, text = outcome["steps-0"]
+    assert code == 2 and "must be at least 1" in text
+    code, text = outcome["device-tpu"]
+    assert code == 2 and "invalid choice: 'tpu'" in text
+    for case, needle in (("json-steps-0", "must be at least 1"), ("json-device-tpu", "invalid choice")):
+        code, text = outcome[case]
+        [line] = text.splitlines()  # one JSON object on stdout, even for an argparse error; nothing else
+        report = json.loads(line)
+        assert code == report["exit_code"] == 2 and needle in report["error"] and report["protected"] is None
+    code, text = outcome["no-such-command"]  # like a shell: 127, naming the command
+    assert code == 127 and text.strip() == "bnb-gc-fix run: no-such-cmd-bnb-gc-fix: command not found"
+    code, text = outcome["run-nothing"]
+    assert code == 2 and "no command given" in text
+    for _, text in (v for k, v in outcome.items() if k != "torch-imported"):
+        for word in INTERNALS:
+            assert word not in text, (word, text)
+    assert outcome["torch-imported"] is False
+
+
+# --- check -------------------------------------------------------------------------------------
+
+
+@pytest.mark.stack
+def test_check_exits_0_when_protected() -> None:
+    result = run_python(["-m", "bnb_gc_fix", "check", "--device", "cpu", "--steps", "3"])
+    assert result.returncode == 0, result.stderr
+    assert "protected" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert rows == [["1", "0", "0"], ["2", "0", "0"], ["3", "0", "0"]]
+
+
+@pytest.mark.stack
+def test_check_control_exits_1_when_switched_off() -> None:
+    console = str(Path(sys.executable).parent / "bnb-gc-fix")
+    result = run_python(["check", "--device", "cpu", "--json"], switch="0", executable=console)
+    if not AFFECTED:  # upstream's fix holds without the package
+        assert result.returncode == 0 and json.loads(result.stdout)["protected"] is True, result.stderr
+        return
+    assert result.returncode == 1, result.stderr
+    payload = json.loads(result.stdout)
+    assert payload["protected"] is False and payload["status"]["active"] is False
+    counters = [s["counter"] for s in payload["steps"]]
+    assert len(counters) == 4 and counters[0] > 0 and counters == sorted(counters)
+    assert all(s["cache_bytes"] > 0 for s in payload["steps"])
+
+
+def test_check_json_matches_its_table() -> None:
+    table = run_python(["-m", "bnb_gc_fix", "check", "--steps", "2"], switch="0")
+    data = run_python(["-m", "bnb_gc_fix", "check", "--steps", "2", "--json"], switch="0")
+    assert table.returncode == data.returncode == 1
+    rows = [
+        [int(v) for v in line.split()] for line in table.stdout.splitlines() if line.strip()[:1].isdigit()
+    ]
+    payload = json.loads(data.stdout)
+    assert rows == [[s["step"], s["counter"], s["cache_bytes"]] for s in payload["steps"]]
+    assert payload["device"] == "cpu"  # the default without CUDA
+
+
+# --- the `status` command on this stack ----------------------------------------------------------
+
+
+@pytest.mark.stack
+def test_status_command_and_its_json_on_this_stack() -> None:
+    (text_code, text, _), (json_code, line, err) = cli_calls(["status"], ["status", "--json"])
+    assert text_code == json_code == 0, err
+    # The JSON: one object on one line, keys sorted (check --json's style).
+    [line] = line.splitlines()
+    facts = json.loads(line)
+    assert line == json.dumps(facts, sort_keys=True)
+    assert facts["state"] == ("patched" if AFFECTED else "not needed")
+    assert facts["counter"] == 0 and facts["cache_bytes"] == 0
+    [bnb] = facts["libraries"]  # one record per library; bitsandbytes' is the first
+    assert bnb["name"] == "bitsandbytes" and bnb["module"] == "bitsandbytes.nn.parametrize"
+    assert bnb["version"] == BITSANDBYTES and str(TORCH).startswith(facts["torch"].split("+")[0])
+    assert bnb["affected"] is AFFECTED and bnb["patched"] is AFFECTED and bnb["state"] == facts["state"]
+    assert facts["active"] is AFFECTED and facts["via"] == ("start-up hook" if AFFECTED else None)
+    assert facts["startup_hook"] == "installed"
+    assert ("plain forward hook pair" if AFFECTED else "always_call=True") in bnb["probe"]
+    assert facts["reason"] == bnb["reason"]
+    assert facts["switch"] is None and facts["mode"] == "auto"
+    for key in ("python", "transformers", "reason", "bnb_gc_fix"):
+        assert facts[key]
+    # Nothing about bitsandbytes is said twice: its facts live in its record alone.
+    assert not {"bitsandbytes", "affected", "probe", "pending", "verdict"} & set(facts)
+    # The text: the same record, each sentence once.
+    lines = text.splitlines()
+    state = "patched, turned on by the start-up hook" if AFFECTED else "not needed"
+    assert f"state:            {state}" in lines
+    assert "cache counter:    0" in lines and "cache bytes:      0" in lines
+    assert f"bitsandbytes {BITSANDBYTES}: {bnb['state']}" in lines
+    assert f"  affected:       {'yes' if AFFECTED else 'no'} (the probe found: {bnb['probe']})" in lines
+    whys = [line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("why:")]
+    assert whys == [bnb["reason"]] and text.count(bnb["reason"]) == 1
+
+
+def test_status_command_without_torch_reads_armed() -> None:
+    code = BLOCK.format(name="torch") + "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
+    result = run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    lines = out.splitlines()
+    assert "state:            armed, turned on by the start-up hook" in lines
+    assert "torch:            (not installed)" in lines
+    assert "cache counter:    - (torch's parametrization module is not imported)" in lines
+    assert any(line.startswith("  why:            torch is not installed") for line in lines), out
+    whys = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("why:")]
+    assert len(set(whys)) == len(whys)

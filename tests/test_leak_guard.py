@@ -1,0 +1,90 @@
+"""The safety nets that work whatever caused a leak: ``guard()`` around a step (warn, strict,
+decorator) and the Hugging Face ``Trainer`` callback, each beside a control."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import AFFECTED, SCENARIOS, run_code, run_python, tiny_olmoe
+
+# --- the guard ---------------------------------------------------------------------------------
+
+
+def test_guard_releases_a_leak_every_step_with_one_warning_each() -> None:
+    run = tiny_olmoe("--steps", "4", "--guard", switch="0")
+    assert [s["counter"] for s in run.steps] == [0] * 4
+    assert [s["cache_bytes"] for s in run.steps] == [0] * 4
+    assert run.summary["package_warnings"] == 4
+    assert run.summary["active"] is False
+
+
+def test_guard_is_silent_with_the_fix_on() -> None:
+    run = tiny_olmoe("--steps", "4", "--guard")
+    assert [s["counter"] for s in run.steps] == [0] * 4
+    assert run.summary["package_warnings"] == 0
+
+
+def test_guard_strict_raises_and_releases() -> None:
+    run = tiny_olmoe("--steps", "3", "--guard", "--strict", switch="0")
+    assert run.summary["strict_raised"] == 3
+    assert [s["counter"] for s in run.steps] == [0] * 3
+    assert run.summary["package_warnings"] == 0
+
+
+def test_guard_as_decorator_and_silent_without_torch() -> None:
+    code = """
+import sys, warnings, json
+import bnb_gc_fix
+@bnb_gc_fix.guard()
+def step():
+    return "ran"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = step()
+print(json.dumps([result, len(caught), "torch" in sys.modules, bnb_gc_fix.reset()]))
+"""
+    assert json.loads(run_code(code).stdout) == ["ran", 0, False, 0]
+
+
+def test_guard_after_keyboard_interrupt_reports_what_it_released() -> None:
+    code = f"""
+import sys, json, warnings; sys.path.insert(0, {str(SCENARIOS)!r})
+import torch, bnb_gc_fix, quantized
+module = quantized.make(params=2)
+module.interrupt = KeyboardInterrupt
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    try:
+        with bnb_gc_fix.guard():
+            module(torch.randn(2, 64))
+    except KeyboardInterrupt:
+        pass
+ours = [str(w.message) for w in caught if issubclass(w.category, bnb_gc_fix.CacheLeakWarning)]
+print(json.dumps([quantized.counter(), ours]))
+"""
+    counter, warnings = json.loads(run_code(code).stdout)
+    assert counter == 0
+    assert len(warnings) == 1 and "went from 0 to 1" in warnings[0] and "KeyboardInterrupt" in warnings[0]
+
+
+# --- the Hugging Face Trainer --------------------------------------------------------------------
+
+
+@pytest.mark.stack
+@pytest.mark.parametrize("callback", [True, False], ids=["with-callback", "control-without"])
+def test_trainer_with_leak_guard_callback(callback: bool) -> None:
+    result = run_python(
+        [str(SCENARIOS / "trainer.py"), "--callback" if callback else "--no-callback"], switch="0"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = json.loads(result.stdout.splitlines()[-1])
+    assert facts["steps"] == 4
+    if callback:
+        assert facts["counters"] == [0, 0, 0, 0]
+        assert (facts["released"] > 0) is AFFECTED  # nothing to release on a fixed bitsandbytes
+        assert "transformers" not in facts["imported_by_package"]
+    elif AFFECTED:
+        assert facts["counters"][-1] > facts["counters"][0] > 0
+    else:
+        assert facts["counters"] == [0, 0, 0, 0]

@@ -1,0 +1,103 @@
+"""``bnb_gc_fix.status()`` reads as protection through a user's script (state, counter, cache
+bytes), and the package's warnings point at the user's own line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, run_python
+
+# --- status reads as protection -----------------------------------------------------------------
+
+# One interpreter walks a user's script: status at the top, after `import bitsandbytes`, after the
+# model is quantized, after a leaking step with the fix switched off, and back on. The INFO log
+# line is checked in the same run (the package's one INFO line when it patches).
+STATES = (
+    WITHOUT_STARTUP_HOOK
+    + f"""
+import json, logging, sys
+sys.path.insert(0, {str(SCENARIOS)!r})
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s: %(message)s")
+import bnb_gc_fix
+def show():
+    s = bnb_gc_fix.status()
+    return dict(state=s.state, active=s.active, counter=s.counter, cache_bytes=s.cache_bytes,
+                reason=s.reason, torch_imported="torch" in sys.modules)
+seen = {{"top": show()}}
+import bitsandbytes
+seen["after import bitsandbytes"] = show()
+import torch
+from torch.utils.checkpoint import checkpoint
+import quantized
+module = quantized.quantize(quantized.Quantized(params=2))
+seen["quantized"] = show()
+x = torch.randn(2, 64)
+checkpoint(module, x, use_reentrant=False).sum().backward()
+seen["step"] = show()
+bnb_gc_fix.deactivate()
+off = quantized.quantize(quantized.Quantized(params=2))
+checkpoint(off, x, use_reentrant=False).sum().backward()
+seen["off, leaking step"] = show()
+bnb_gc_fix.reset()
+bnb_gc_fix.activate()
+seen["on again"] = show()
+print("STATES " + json.dumps(seen))
+"""
+)
+
+
+def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
+    result = run_code(STATES)
+    seen = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("STATES "))[7:])
+    top = seen["top"]
+    assert top["state"] == "armed" and top["active"] is False  # `active` keeps its meaning
+    assert top["reason"].startswith("armed: ") and "when a model is quantized" in top["reason"]
+    assert top["counter"] is None and top["cache_bytes"] is None and top["torch_imported"] is False
+    # bitsandbytes 0.49.2 does not import its parametrize module by itself: still armed, not failed.
+    assert seen["after import bitsandbytes"]["state"] == "armed"
+    assert seen["after import bitsandbytes"]["counter"] == 0  # torch (and its parametrize) imported now
+    assert seen["quantized"]["state"] == "patched" and seen["quantized"]["active"] is True
+    assert seen["step"]["counter"] == 0 and seen["step"]["cache_bytes"] == 0
+    leaking = seen["off, leaking step"]
+    assert leaking["state"] == "off" and leaking["counter"] > 0 and leaking["cache_bytes"] > 0  # control
+    assert seen["on again"]["state"] == "patched" and seen["on again"]["counter"] == 0
+    logs = [line for line in result.stdout.splitlines() if line.startswith("LOG ")]
+    assert any(line.startswith("LOG bnb_gc_fix: bitsandbytes 0.49.2 is in") for line in logs), logs
+    assert not any("bnb_gc_fix: bnb_gc_fix" in line for line in logs), logs
+
+
+# --- warnings point at the user's line ----------------------------------------------------------
+
+WARN_PATHS = {
+    "import": (WITHOUT_STARTUP_HOOK + "import bnb_gc_fix  # USER LINE\n"),
+    "activate()": (
+        WITHOUT_STARTUP_HOOK
+        + "import os\nos.environ['BNB_GC_FIX'] = 'auto'\nimport bnb_gc_fix\nbnb_gc_fix.deactivate()\n"
+        + "os.environ['BNB_GC_FIX'] = 'sometimes'\nbnb_gc_fix.activate()  # USER LINE\n"
+    ),
+    "start-up hook": "import bitsandbytes  # USER LINE\n",
+    "patch skipped": (
+        WITHOUT_STARTUP_HOOK
+        + "from bitsandbytes.nn import parametrize\ndel parametrize._disable_parametrization_cache\n"
+        + "import bnb_gc_fix  # USER LINE\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("path", list(WARN_PATHS))
+def test_warnings_point_at_the_users_line(path: str, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(WARN_PATHS[path])
+    lines = script.read_text().splitlines()
+    line = 1 + lines.index(next(s for s in lines if s.endswith("# USER LINE")))
+    switch = None if path == "patch skipped" else "sometimes"
+    result = run_python([str(script)], switch=switch)
+    assert result.returncode == 0, result.stderr
+    expected = (
+        f"{script}:{line}: PatchSkippedWarning: bnb-gc-fix is not active"
+        if path == "patch skipped"
+        else f"{script}:{line}: SwitchValueWarning: BNB_GC_FIX='sometimes'"
+    )
+    assert expected in result.stderr, result.stderr
