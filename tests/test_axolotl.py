@@ -28,7 +28,7 @@ from conftest import (
 )
 from packaging.specifiers import SpecifierSet
 
-pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
 
 SCENARIO = SCENARIOS / "axolotl_moe8bit.py"
 

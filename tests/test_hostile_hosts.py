@@ -358,6 +358,7 @@ def test_guard_releases_only_what_the_step_added() -> None:
     assert "went from 1 to 2" in message and "1 of those holds" in message
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not AFFECTED, reason="compares with the auto run on an affected bitsandbytes")
 def test_compiled_guarded_step_with_fullgraph() -> None:
     code = (

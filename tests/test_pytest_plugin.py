@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SCENARIOS, Run, cache_root, environment, pip_target, run_python
 
-pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
 
 # In the shape of upstream's checkpointing regression tests: a module quantized with
 # replace_parameter_4bit, a non-reentrant checkpointed region whose recompute stops early (the last

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import SCENARIOS, environment, pip_target, run_python, tiny_olmoe
 
+pytestmark = pytest.mark.integration
+
 VERSION = "0.50.2"
 
 
