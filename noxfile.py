@@ -91,6 +91,9 @@ def uv_env(session: nox.Session, cell: dict[str, Any]) -> None:
     constraint.write_text(f"torch=={cell['torch']}\n" if cell["torch"] else "")
     session.env["UV_CONSTRAINT"] = str(constraint)
     session.env["UV_PYTHON_DOWNLOADS"] = "never"
+    # Byte-compile at install, as pip does: the tests start many fresh interpreters, and where
+    # PYTHONDONTWRITEBYTECODE is set each would otherwise compile torch and transformers anew.
+    session.env["UV_COMPILE_BYTECODE"] = "1"
 
 
 def install_torch(session: nox.Session, cell: dict[str, Any]) -> None:
