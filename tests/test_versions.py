@@ -190,6 +190,7 @@ def test_status_json_says_why_nothing_is_patched() -> None:
     assert facts["active"] is False and facts["counter"] == 0, facts
     if KIND == "no-bitsandbytes":
         assert facts["bitsandbytes"] is None and "not installed" in facts["reason"], facts
+        assert "not installed" in facts["verdict"], facts
     else:
         assert facts["bitsandbytes"] == BITSANDBYTES, facts
         assert "parametrize" in facts["reason"] and BITSANDBYTES in facts["reason"], facts

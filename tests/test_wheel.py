@@ -137,3 +137,5 @@ def test_console_script_status_json(tmp_path: Path) -> None:
     facts = json.loads(result.stdout)
     assert facts["bitsandbytes"] == BITSANDBYTES and facts["startup_hook"] is True
     assert facts["active"] is AFFECTED and facts["state"] == ("patched" if AFFECTED else "not needed")
+    [library] = [lib for lib in facts["libraries"] if lib["name"] == "bitsandbytes"]
+    assert library["affected"] is AFFECTED and library["patched"] is AFFECTED, library
