@@ -1,20 +1,23 @@
-"""Render the README's generated parts: the version table and the real console output.
+"""Render the README's generated parts and docs/matrix.json from the test matrix's results.
 
 The table between ``<!-- version-table:start -->`` and ``<!-- version-table:end -->`` in
-README.md is generated from the version matrix, never typed by hand. So is every ``console``
-block between ``<!-- NAME-output:start -->`` and ``<!-- NAME-output:end -->``: each line that
+README.md is generated from the matrix's results, never typed by hand: each nox cell (cells.toml,
+noxfile.py) writes ``CELL.json`` (its versions and every test's outcome and recorded properties) into
+``$BNB_GC_FIX_NOX/results`` (default ``~/.cache/bnb-gc-fix-nox/results``); this script gathers the
+cells of cells.toml from there into ``docs/matrix.json`` and renders the table from it. So is every
+``console`` block between ``<!-- NAME-output:start -->`` and ``<!-- NAME-output:end -->``: each line that
 starts with ``$ `` is a command, run in one bash shell per block from the repository root (so
 ``echo $?`` reads the command before it), and what it prints follows it.
 
-    python scripts/matrix.py                 # runs the matrix, writes docs/version-matrix.json
-    python scripts/stacks.py                 # runs the stack cells, writes docs/stack-matrix.json
-    python scripts/readme_table.py           # rewrites the README's table and console output
+    nox                                      # runs the cells, writes their results
+    python scripts/readme_table.py           # writes docs/matrix.json, rewrites the README's parts
     python scripts/readme_table.py --check   # CI: fail if either differs
 
 Only facts the matrix re-proves on every run go in the table (versions, counters, what the
 package did, verdicts), so the same code gives the same table on every machine. The console
 blocks show this machine's real output (versions included), so ``--check`` also fails when the
-command line's output changes without the README.
+command line's output changes without the README. Without results (a fresh machine that ran no
+cell), ``--check`` renders the table from the committed ``docs/matrix.json``.
 
 The README's Quick start commands (``bash`` blocks between ``<!-- quick-start:start -->`` and
 ``<!-- quick-start:end -->``) must be the very lines ``.ci/run`` runs between its
@@ -25,6 +28,7 @@ test suite compare them.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -35,8 +39,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MATRIX = ROOT / "docs" / "version-matrix.json"
-STACKS = ROOT / "docs" / "stack-matrix.json"
+MATRIX = ROOT / "docs" / "matrix.json"
+CELLS = ROOT / "cells.toml"
+RESULTS = Path(os.environ.get("BNB_GC_FIX_NOX") or Path.home() / ".cache" / "bnb-gc-fix-nox") / "results"
 START, END = "<!-- version-table:start -->", "<!-- version-table:end -->"
 CI_RUN = ROOT / ".ci" / "run"
 QUICK_START, QUICK_END = "<!-- quick-start:start -->", "<!-- quick-start:end -->"
@@ -45,90 +50,154 @@ _CONSOLE = re.compile(r"<!-- (?P<name>[a-z-]+-output):start -->(?P<body>.*?)<!--
 _FENCE = re.compile(r"```console\n(?P<content>.*?)```", re.S)
 # Lines torch and bitsandbytes print on their own on a CPU-only machine; never ours.
 _FOREIGN = ("Failed to load CPU gemm_4bit_forward from kernels-community", "_check_is_size")
+FIX_TEST = "test_with_the_fix_the_counter_is_zero_after_every_step"
+CONTROL_TEST = "test_control_leaks_only_on_an_affected_release"
 
 
-def _counters(run: dict[str, Any] | None) -> str:
-    if not run or not run.get("counters"):
-        return "-"
-    return ", ".join(str(c) for c in run["counters"])
+def cell_names() -> list[str]:
+    """The cells of cells.toml, in its order (a tomllib-free read: the names are all we need)."""
+    return re.findall(r'^\s*\{\s*name\s*=\s*"([^"]+)"', CELLS.read_text(), re.M)
 
 
-def _transformers(cell: dict[str, Any]) -> str:
-    version = cell.get("transformers") or "-"
-    if str(version).startswith("4."):
-        reentrant = cell.get("checkpointing") != "non-reentrant"
-        return f"{version}, `use_reentrant={reentrant}`"
-    return str(version)
+def gather(results: Path) -> dict[str, Any] | None:
+    """docs/matrix.json's content from the cells' result files; None when no cell has results."""
+    cells = [
+        json.loads((results / f"{n}.json").read_text())
+        for n in cell_names()
+        if (results / f"{n}.json").exists()
+    ]
+    if not cells:
+        return None
+    generated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"generated_by": "nox (noxfile.py, cells.toml)", "generated": generated, "cells": cells}
 
 
-def _row(cell: dict[str, Any], python: str, torch: str) -> str:
-    kind = cell["kind"]
-    bnb = cell.get("bitsandbytes") or "not installed"
-    control, fix = cell.get("control"), cell.get("fix")
-    if kind == "no-bitsandbytes":
-        leak, does, result = "no", "nothing; imports cleanly, `status()` says why", "-"
-    elif kind == "no-parametrize":
-        leak, does, result = "no: no `bitsandbytes.nn.parametrize`", "nothing; `status()` says why", "-"
-    elif kind == "fixed-upstream":
-        leak = f"no: upstream fix (counter {_counters(control)})"
-        does, result = "steps aside", f"counter {_counters(fix)}"
-    elif kind == "no-leak":
-        leak = f"no: reentrant checkpointing (counter {_counters(control)})"
-        does, result = "patches (harmless)", f"counter {_counters(fix)}"
-    else:
-        leak = f"**yes**: counter {_counters(control)}"
-        does, result = "patches", f"counter {_counters(fix)}"
-    cells = [python, torch, bnb, _transformers(cell), leak, does, result, cell["verdict"]]
-    return "| " + " | ".join(cells) + " |"
+def _counters(values: list[int] | None) -> str:
+    return ", ".join(str(c) for c in values) if values else "-"
 
 
-def _test(cell: dict[str, Any], name: str) -> dict[str, Any]:
-    return next((t for t in cell["tests"] if t["test"].endswith("::" + name)), {})
+def _property(test: dict[str, Any], key: str) -> Any:
+    value = test.get(key)
+    return json.loads(value.replace("True", "true").replace("False", "false")) if value else None
+
+
+def _tests(cell: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
+    """The cell's runs of test ``name``, by parameter (``""`` when not parametrized)."""
+    found = {}
+    for test in cell["tests"]:
+        function = test["test"].rsplit("::", 1)[-1]
+        if function.split("[")[0] == name and test["outcome"] != "skipped":
+            found[function[len(name) + 1 : -1] if "[" in function else ""] = test
+    return found
+
+
+def _versions(cell: dict[str, Any]) -> tuple[str, str, str, str]:
+    v = cell["versions"]
+    torch = (v.get("torch") or "-").split("+")[0]
+    return v["python"], torch, v.get("bitsandbytes") or "not installed", v.get("transformers") or "-"
+
+
+def _verdict(cell: dict[str, Any]) -> str:
+    counts = cell["counts"]
+    skipped = f", {counts['skipped']} skipped" if counts.get("skipped") else ""
+    return f"{cell['verdict']} ({counts['passed']} tests passed{skipped})"
+
+
+def _matrix_rows(cell: dict[str, Any]) -> list[str]:
+    """A matrix cell (tests/test_versions.py): one row per checkpointing variant it trained."""
+    python, torch, bnb, transformers = _versions(cell)
+    fixes, controls = _tests(cell, FIX_TEST), _tests(cell, CONTROL_TEST)
+    rows = []
+    if not fixes:  # no bitsandbytes, or one without bitsandbytes.nn.parametrize
+        if bnb == "not installed":
+            leak, does = "no", "nothing; imports cleanly, `status` says why"
+        else:
+            leak, does = "no: no `bitsandbytes.nn.parametrize`", "nothing; `status` says why"
+        rows.append([python, torch, bnb, transformers, leak, does, "-"])
+    for variant, fix in fixes.items():
+        control = controls.get(variant, {})
+        kind, leaked = _property(fix, "kind"), _property(control, "counters") or []
+        shown = transformers
+        if transformers.startswith("4."):
+            shown += f", `use_reentrant={_property(fix, 'use_reentrant')}`"
+        if kind == "fixed-upstream":
+            leak, does = f"no: upstream fix (counter {_counters(leaked)})", "steps aside"
+        elif any(leaked):
+            leak, does = f"**yes**: counter {_counters(leaked)}", "patches"
+        else:
+            leak, does = f"no: reentrant checkpointing (counter {_counters(leaked)})", "patches (harmless)"
+        rows.append(
+            [python, torch, bnb, shown, leak, does, f"counter {_counters(_property(fix, 'counters'))}"]
+        )
+    return ["| " + " | ".join([*row, cell["verdict"]]) + " |" for row in rows]
 
 
 def _stack_row(cell: dict[str, Any]) -> str:
     """A stack cell: its `pytest -m stack` run, counters from the tiny OLMoE leak test and its control."""
-    fix = _test(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero")
-    control = _test(cell, "test_tiny_olmoe_control_leaks_without_fix")
-    fixed, leaked = json.loads(fix.get("counters", "[]")), json.loads(control.get("counters", "[]"))
-    shown = {"counters": leaked}, {"counters": fixed}
-    does = "patches" if fix.get("active") == "True" else "steps aside"
-    leak = f"no: upstream fix (counter {_counters(shown[0])})" if does == "steps aside" else "no"
+    python, torch, bnb, transformers = _versions(cell)
+    fix = next(iter(_tests(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero").values()), {})
+    control = next(iter(_tests(cell, "test_tiny_olmoe_control_leaks_without_fix").values()), {})
+    fixed, leaked = _property(fix, "counters") or [], _property(control, "counters") or []
+    does = "patches" if _property(fix, "active") is True else "steps aside"
+    leak = f"no: upstream fix (counter {_counters(leaked)})" if does == "steps aside" else "no"
     if any(leaked):
-        leak = f"**yes**: counter {_counters(shown[0])}"
-    transformers = str(cell["transformers"])
+        leak = f"**yes**: counter {_counters(leaked)}"
     if transformers.startswith("4."):
         transformers += ", `use_reentrant=False`"
-    counts = cell["counts"]
-    skipped = f", {counts['skipped']} skipped" if counts.get("skipped") else ""
-    verdict = f"{cell['verdict']} ({counts['passed']} tests passed{skipped})"
-    return (
-        f"| {cell['python']} | {cell['torch']} | {cell['bitsandbytes']} | {transformers} | {leak} | {does} | "
-        f"counter {_counters(shown[1])} | {verdict} |"
+    row = [python, torch, bnb, transformers, leak, does, f"counter {_counters(fixed)}", _verdict(cell)]
+    return "| " + " | ".join(row) + " |"
+
+
+def _install_row(cell: dict[str, Any]) -> str:
+    """The wheel cell and the cells without torch: the built wheel, installed into a fresh venv."""
+    python, torch, bnb, transformers = _versions(cell)
+    if cell["cell"]["marker"] == "bare":
+        does = "the wheel: start-up hook silent and cheap, imports, `status` says why, `check` exits 2"
+        return f"| {python} | not installed | {bnb} | {transformers} | - | {does} | - | {_verdict(cell)} |"
+    fix = next(
+        iter(_tests(cell, "test_start_up_hook_fixes_a_script_that_never_imports_the_package").values()), {}
     )
+    control = next(
+        iter(_tests(cell, "test_control_switched_off_leaks_and_never_imports_the_package").values()), {}
+    )
+    leaked = _property(control, "counters") or []
+    leak = f"**yes**: counter {_counters(leaked)}" if any(leaked) else "no"
+    does = "the wheel: its start-up hook alone fixes a copied script"
+    row = [python, torch, bnb, transformers, leak, does, f"counter {_counters(_property(fix, 'counters'))}"]
+    return "| " + " | ".join([*row, _verdict(cell)]) + " |"
 
 
-def render(matrix: dict[str, Any], stacks: dict[str, Any]) -> str:
-    environment = matrix.get("environment", {})
-    python = environment.get("python", "?")
-    torch = environment.get("torch", "?")
+INTRO = """
+Generated from the test matrix (`nox`, one cell a line of `cells.toml`, re-run by CI on every change):
+each row is a cell, its own venv with these versions, running pytest on the same tests, whose
+expectations come from the installed versions. bitsandbytes rows (`pytest -m matrix`,
+`tests/test_versions.py`): the counter is torch's parametrization-cache counter after each of 3
+checkpointed training steps; above 0 is the leak. Stack rows (PyPI's CUDA builds of torch, run on the
+CPU) run the core tests (`pytest -m stack`: leak and control, Ctrl-C, threads, torchrun, Trainer,
+`check`, `status`); counters from its 5-step leak test (tiny OLMoE; on transformers 4.x a tiny Llama,
+the shape that leaks there). The Python 3.13 cell with bitsandbytes 0.49.2 also runs the axolotl tests
+(0.17.0-0.21.0); the one skip in each stack cell is the notebook tests, which need ipykernel (not
+installed in the cells). The last rows install the built wheel, not the checkout.
+"""
+
+
+def render(matrix: dict[str, Any]) -> str:
+    rows = []
+    for cell in matrix["cells"]:
+        marker = cell["cell"]["marker"]
+        rows += (
+            _matrix_rows(cell)
+            if marker == "matrix"
+            else [_stack_row(cell) if marker == "stack" else _install_row(cell)]
+        )
     lines = [
         START,
-        f"Generated from the version matrix (`python scripts/matrix.py`, re-run by CI on every change) on "
-        f"Python {python}, torch {torch}, CPU: the counter is torch's parametrization-cache counter "
-        f"after each of {matrix.get('steps', 3)} checkpointed training steps; above 0 is the leak. "
-        "The rows below them are the stack cells (`python scripts/stacks.py`): each its own interpreter "
-        "and torch build (PyPI's CUDA builds, run on the CPU) running the core tests (`pytest -m stack`: "
-        "leak and control, Ctrl-C, threads, torchrun, Trainer, `check`, `status`); counters from its "
-        "5-step leak test (tiny OLMoE; on transformers 4.x a tiny Llama, the shape that leaks there). "
-        "The Python 3.13 cell with bitsandbytes 0.49.2 also runs the axolotl tests (0.17.0-0.21.0); the "
-        "one skip in each cell is the notebook tests, which need ipykernel (not installed in the cells).",
+        " ".join(INTRO.split()),
         "",
         "| Python | torch | bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix "
         "| with bnb-gc-fix | verdict |",
         "|---|---|---|---|---|---|---|---|",
-        *(_row(cell, python, torch.split("+")[0]) for cell in matrix["cells"]),
-        *(_stack_row(cell) for cell in stacks.get("cells", [])),
+        *rows,
         END,
     ]
     return "\n".join(lines)
@@ -207,12 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="fail if the README's table differs")
-    parser.add_argument("--matrix", type=Path, default=MATRIX)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="default: %(default)s")
     parser.add_argument("--table-only", action="store_true", help="leave the console blocks alone")
-    parser.add_argument("--stacks", type=Path, default=STACKS)
     args = parser.parse_args(argv)
-    stacks = json.loads(args.stacks.read_text()) if args.stacks.exists() else {}
-    block = render(json.loads(args.matrix.read_text()), stacks)
+    fresh = gather(args.results)
+    matrix = fresh if fresh is not None else json.loads(MATRIX.read_text())
+    block = render(matrix)
     text = README.read_text()
     updated = _replace(text, block)
     with_console = updated if args.table_only else render_console(updated)
@@ -241,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("README.md's version table, console output and Quick start commands match")
         return 0
+    if fresh is not None:
+        MATRIX.write_text(json.dumps(fresh, indent=1) + "\n")
     README.write_text(with_console)
     return 0
 

@@ -30,7 +30,7 @@ def installed(distribution: str) -> str | None:
         return None
 
 
-# Expectations come from the stack the tests run on (scripts/stacks.py runs the `stack` tests on
+# Expectations come from the stack the tests run on (the nox cells of cells.toml run the `stack` tests on
 # several), never from hard-coded versions.
 BITSANDBYTES = installed("bitsandbytes")
 TORCH = installed("torch")
