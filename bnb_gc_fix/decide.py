@@ -30,11 +30,6 @@ def _version_of(name: str) -> str | None:
     return None if version is None else str(version)
 
 
-def bitsandbytes_version() -> str | None:
-    """``bitsandbytes.__version__`` if bitsandbytes is imported, else ``None``."""
-    return _version_of("bitsandbytes")
-
-
 def torch_version() -> str | None:
     """``torch.__version__`` if torch is imported, else ``None``."""
     return _version_of("torch")

@@ -67,7 +67,8 @@ def import_installed() -> None:
     if torch is None:
         return
     bitsandbytes, _ = try_import("bitsandbytes")
-    if bitsandbytes is not None and not before_parametrize(str(getattr(bitsandbytes, "__version__", "0"))):
+    version = str(getattr(bitsandbytes, "__version__", "unknown"))  # unknown: try its parametrize
+    if bitsandbytes is not None and not before_parametrize(version):
         try_import(PARAMETRIZE)
     for target in TARGETS:
         if target is BITSANDBYTES:
