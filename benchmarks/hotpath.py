@@ -21,6 +21,13 @@ the hooks' share.
 Case 3, the hooks called directly (no module call): the pre-hook and the forward hook of each
 configuration, called back to back; shows the cost of the hook bodies themselves.
 
+Case 4, threads: one 6-layer model of 4-bit experts served by 8 threads at once (a thread pool in
+an inference server), no-grad forwards; and the same with 1 thread. Wall time of a block in which
+every thread runs its forwards, plain pairs against gates. Goal <= 1.05.
+
+Case 5, self-calls: a 4-bit module that splits its batch by calling itself (128 chunks a forward),
+called under 100 caller frames. Goal <= 1.05.
+
 The script runs with ``BNB_GC_FIX=0`` so that bitsandbytes stays unpatched and every
 configuration is built explicitly.
 
@@ -280,7 +287,7 @@ def hooks_direct(calls: int, rounds: int) -> dict[str, Any]:
     _, upstream_disable = common.upstream_hooks()
     module = torch.nn.Module()
     the_gate = gate.Gate()
-    enter, leave = the_gate.enter, the_gate.exit
+    enter, leave = the_gate._enable_parametrization_cache, the_gate._disable_parametrization_cache
     args = (torch.zeros(1),)
     output = args[0]
 
@@ -306,6 +313,134 @@ def hooks_direct(calls: int, rounds: int) -> dict[str, Any]:
     return result
 
 
+class _Experts:
+    """Factory of the concurrency cases' modules (built after torch is imported)."""
+
+    @staticmethod
+    def model(layers: int, gated: bool) -> Any:
+        import bitsandbytes.nn.parametrize as bnb_parametrize
+        import torch
+
+        from bnb_gc_fix import gate
+
+        class Experts(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                generator = torch.Generator().manual_seed(0)
+                self.weight = torch.nn.Parameter(torch.randn(4, 64, 64, generator=generator) * 0.05)
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return torch.einsum("td,ehd->th", x, self.weight).tanh()
+
+        model = torch.nn.Sequential(*(Experts() for _ in range(layers)))
+        for layer in model:
+            bnb_parametrize.replace_parameter_4bit(layer, "weight", quant_type="nf4")
+            assert gate.install(layer) is gated or not gated
+        return model.requires_grad_(False)
+
+    @staticmethod
+    def self_calling(gated: bool, chunks: int) -> Any:
+        import bitsandbytes.nn.parametrize as bnb_parametrize
+        import torch
+
+        from bnb_gc_fix import gate
+
+        class Chunked(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                generator = torch.Generator().manual_seed(0)
+                self.weight = torch.nn.Parameter(torch.randn(64, 64, generator=generator) * 0.05)
+
+            def forward(self, x: torch.Tensor, whole: bool = True) -> torch.Tensor:
+                if whole:  # split the batch and call itself on each chunk, as memory-bound code does
+                    return torch.cat([self(chunk, whole=False) for chunk in x.chunk(chunks)])
+                return x @ self.weight.t()
+
+        module = Chunked()
+        bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
+        if gated:
+            assert gate.install(module)
+        return module.requires_grad_(False)
+
+
+def _under_frames(depth: int, call: Callable[[], Any]) -> Any:
+    return call() if depth == 0 else _under_frames(depth - 1, call)
+
+
+def threads(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
+    """Case 4: one model served by ``threads`` threads at once, plain pairs against gates."""
+    import threading
+
+    import torch
+
+    register_plain = _plain_register()
+    assert register_plain is not None
+    x = torch.randn(8, 64)
+    models = {"plain pairs (bnb 0.49)": _Experts.model(6, False), "gates (bnb-gc-fix)": _Experts.model(6, True)}
+
+    def served(model: Any) -> Timed:
+        def timed(n: int) -> int:
+            barrier = threading.Barrier(threads + 1)
+
+            def work() -> None:
+                barrier.wait()
+                with torch.no_grad():
+                    for _ in range(n):
+                        model(x)
+
+            pool = [threading.Thread(target=work) for _ in range(threads)]
+            for thread in pool:
+                thread.start()
+            barrier.wait()
+            started = time.perf_counter_ns()
+            for thread in pool:
+                thread.join()
+            return time.perf_counter_ns() - started
+
+        return timed
+
+    result = _alternate(
+        {name: served(model) for name, model in models.items()}, forwards, rounds, "plain pairs (bnb 0.49)"
+    )
+    with torch.no_grad():
+        outputs = [model(x) for model in models.values()]
+    assert torch.equal(outputs[0], outputs[1])
+    result["threads"] = threads
+    result["note"] = "wall time of a block in which every thread runs calls_per_block forwards, per forward"
+    result["ratio"] = result["ratio_to_baseline"]["gates (bnb-gc-fix)"]["median"]
+    result["goal"] = "gates / plain pairs <= 1.05"
+    result["met"] = result["ratio"] <= 1.05
+    return result
+
+
+def self_calls(calls: int, rounds: int, chunks: int = 128, depth: int = 100) -> dict[str, Any]:
+    """Case 5: a module calling itself ``chunks`` times a forward, under ``depth`` caller frames."""
+    import torch
+
+    _plain_register()
+    x = torch.randn(chunks * 2, 64)
+    modules = {
+        "plain pair (bnb 0.49)": _Experts.self_calling(False, chunks),
+        "gate (bnb-gc-fix)": _Experts.self_calling(True, chunks),
+    }
+    with torch.no_grad():
+        outputs = [module(x) for module in modules.values()]
+        assert torch.equal(outputs[0], outputs[1])
+
+        def deep(module: Any) -> Timed:
+            return _loop(lambda: _under_frames(depth, lambda: module(x)))
+
+        result = _alternate(
+            {name: deep(module) for name, module in modules.items()}, calls, rounds, "plain pair (bnb 0.49)"
+        )
+    result["chunks"] = chunks
+    result["caller_frames"] = depth
+    result["ratio"] = result["ratio_to_baseline"]["gate (bnb-gc-fix)"]["median"]
+    result["goal"] = "gate / plain pair <= 1.05"
+    result["met"] = result["ratio"] <= 1.05
+    return result
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = []
     for key, title in (
@@ -313,7 +448,12 @@ def markdown(result: dict[str, Any]) -> str:
         ("two_pairs_alone", "Two parameters' hooks alone (forward returns its input)"),
         ("two_quantized", "Two 4-bit parameters, forward uses both"),
         ("hooks_direct", "Hook bodies called directly"),
+        ("threads_8", "8 threads serving one 6-layer model of 4-bit experts (no-grad forwards)"),
+        ("threads_1", "The same model, 1 thread"),
+        ("self_calls", "A 4-bit module calling itself (128 chunks a forward) under 100 caller frames"),
     ):
+        if key not in result:
+            continue
         case = result[key]
         baseline = case["baseline"]
         lines += [f"**{title}**, {case['rounds']} rounds of {case['calls_per_block']:,} calls", ""]
@@ -348,6 +488,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--numel", type=int, default=64, help="elements per quantized parameter in case 2")
     parser.add_argument("--quick", action="store_true", help="5 rounds of fewer calls")
     parser.add_argument("--output", type=Path)
+    parser.add_argument("--cases", nargs="+", metavar="CASE", help="only these cases (default: all)")
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
     rounds = 5 if args.quick else args.rounds
@@ -363,11 +504,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "round, garbage collector off during blocks; ratio = median over rounds of block time / "
             "baseline block time of the same round"
         ),
-        "hooks_alone": hooks_alone(2000 // scale, rounds),
-        "two_pairs_alone": two_pairs_alone(2000 // scale, rounds),
-        "two_quantized": two_quantized(20, 2 * rounds, args.numel),
-        "hooks_direct": hooks_direct(10000 // scale, rounds),
     }
+    cases: dict[str, Callable[[], dict[str, Any]]] = {
+        "hooks_alone": lambda: hooks_alone(2000 // scale, rounds),
+        "two_pairs_alone": lambda: two_pairs_alone(2000 // scale, rounds),
+        "two_quantized": lambda: two_quantized(20, 2 * rounds, args.numel),
+        "hooks_direct": lambda: hooks_direct(10000 // scale, rounds),
+        "threads_8": lambda: threads(8, 20 // scale or 1, rounds),
+        "threads_1": lambda: threads(1, 20 // scale or 1, rounds),
+        "self_calls": lambda: self_calls(20 // scale or 1, rounds),
+    }
+    for name, case in cases.items():
+        if not args.cases or name in args.cases:
+            result[name] = case()
     result["wall_s"] = time.perf_counter() - started
     folder = common.RESULTS / "tmp" if args.quick else common.RESULTS
     output: Path = args.output or folder / "hotpath.json"

@@ -1,4 +1,4 @@
-"""The cache gate: one forward pre-hook and one always-called forward hook per module.
+"""The cache gate: the one pair of hooks per module that takes the place of bitsandbytes' plain pairs.
 
 bitsandbytes 0.48-0.49 switch torch's global parametrization cache on and off around every
 forward of a module with 4-bit parametrized parameters, with a plain pair of hooks per
@@ -6,37 +6,56 @@ parameter. A forward left by an exception skips the plain forward hook, so the c
 ``torch.nn.utils.parametrize._cache_enabled`` never returns to zero and the cache is never
 emptied again. The gate replaces that pair with one that is exact and heals itself.
 
-**The invariant.** Each gate counts the holds its module's pre-hook took and its forward hook
-has not yet given back (``Gate.held``), and every change to ``held`` changes the global counter
-by the same amount. So a gate's share of the counter is always exactly ``held``:
+**The invariant.** Each gate counts, per thread, the holds its module's pre-hook took on that
+thread and its forward hook has not yet given back (:class:`_Holds`), and every change to such a
+count changes the global counter by the same amount. So a gate's share of the counter is always
+exactly what it holds:
 
 * the pre-hook takes one hold; the forward hook, registered with ``always_call=True`` so that it
   also runs when the forward raises an ``Exception`` (non-reentrant checkpointing stops its
-  recompute that way), gives one back only if the module holds one: an earlier pre-hook that
-  raised never causes a stray release, and the counter never goes below zero;
+  recompute that way), gives one back only if its module holds one on this thread: an earlier
+  pre-hook that raised never causes a stray release, and the counter never goes below zero;
 * the cache is emptied whenever the counter reaches zero;
-* torch runs no forward hook when a ``BaseException`` (``KeyboardInterrupt``) leaves the
-  forward. Such a hold is released at the module's next forward, which compares ``held`` with
-  the calls of the module that are live on the threads' stacks (a genuinely nested or
-  concurrent call keeps its hold), and when the module is garbage-collected (the gate dies with
-  the module's hook dictionaries and gives back what it still holds);
-* one gate per module however many of its parameters are quantized.
+* torch runs no forward hook when a ``BaseException`` (``KeyboardInterrupt``) leaves the forward.
+  Such a hold is found at the module's next forward on the same thread: only a thread that already
+  holds the module when it enters it can hold a stale hold (a self-call holds it too), and only then
+  are that thread's own frames read, from the top down and only until every hold is accounted for
+  by a live call. Holds are also given back when their module is garbage-collected, when their
+  thread ends, and in a forked child for every thread but the one that forked (the interpreter
+  drops the other threads' thread-local holds there);
+* one gate per module however many of its parameters are quantized, and it sits where the pair it
+  replaces sat: its pre-hook in the place of the first enable hook, its forward hook in the place of
+  the last disable hook, so every other hook of the module runs exactly when it ran before relative
+  to the cache switching on and off.
 
-**torch.compile.** The two hooks are plain arithmetic on ``held`` and the counter, which Dynamo
-traces like bitsandbytes' own pair. What it cannot trace (healing's stack walk, resetting, the
-cache-bytes count, the safety nets' release) is kept out of its traces (``_eager_only``): Dynamo
-calls it as it is, in a graph break, on the rare forward that enters with holds already taken. The
-stack walk knows Dynamo's frames of ``Module._call_impl`` (its transformed copy of the code, and
-its resume functions), so a compiled call is a live call too.
+**Saving and loading.** The gate's hooks are methods named like the functions they replace, and a
+gate pickles as the module those functions came from (``bitsandbytes.nn.parametrize``), so a pickled
+module holds the plain pair again: it loads wherever the control's pickle loads, without this
+package. Where the fix is active, bitsandbytes' enable function is wrapped (:mod:`bnb_gc_fix.patch`)
+and turns such a plain pair into a gate at its first forward. ``copy.deepcopy`` gives a copy a fresh
+gate of its own.
 
-**Threads.** Like torch's own cache, the hot path takes no lock: each hook's read-modify-write
-of ``held`` and of the counter is a run of bytecodes with no call in it, which CPython's global
-interpreter lock never interrupts. On a free-threaded build (no GIL) the same code runs under a
-lock instead.
+**torch.compile.** The two hooks are plain arithmetic on the thread's count and the counter, which
+Dynamo traces like bitsandbytes' own pair (a ``threading.local`` attribute, guarded by type and
+value, not by thread). What it cannot trace (healing's stack walk, resetting, the cache-bytes count,
+the safety nets' release) is kept out of its traces (``_eager_only``): Dynamo calls it as it is, in a
+graph break, when a module enters with holds already taken on its thread. The walk knows Dynamo's
+frames of ``Module._call_impl`` (its transformed copy of the code, and its resume functions), so a
+compiled call is a live call too.
+
+**Threads.** No lock, and no work another thread's call can cause: a thread only ever reads and
+writes its own counts. Like torch's own cache, the global counter's read-modify-write is a run of
+bytecodes with no call in it, which the GIL never interrupts on Python 3.10 and later. On Python 3.9
+the interpreter may switch threads between any two bytecodes, so there, as for bitsandbytes' pair and
+``P.cached()``, two threads updating the counter at the same instant can lose an update. On a
+free-threaded build (no GIL) the counter's update takes a lock, made anew in a forked child.
 """
 
 from __future__ import annotations
 
+import collections
+import importlib
+import os
 import sys
 import threading
 import weakref
@@ -49,20 +68,21 @@ import torch.nn.utils.parametrize as P
 
 ENABLE_NAME = "_enable_parametrization_cache"
 DISABLE_NAME = "_disable_parametrization_cache"
+ORIGIN = "bitsandbytes.nn.parametrize"
 
-_GATES: weakref.WeakSet[Gate] = weakref.WeakSet()
-_CALL_IMPL_CODE = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 # torch.compile runs `_call_impl` as a frame of Dynamo's transformed copy of its code (same name and
 # file) or of a resume function named after it; both are live calls of the module too.
 _RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
-# Serialises what is not on the hot path (healing, reset, new gates), and the hot path itself
-# only on a free-threaded build.
-_LOCK = threading.RLock()
+_frame = sys._getframe  # CPython's frame access (inspect.currentframe() is this, one frame up)
 _F = TypeVar("_F", bound=Callable[..., Any])
+_compiling: Callable[[], bool] | None = getattr(torch.compiler, "is_compiling", None)
+if _compiling is None:  # torch < 2.3
+    from torch._dynamo import is_compiling as _compiling
 
 
-def _release(count: int) -> int:
+def _release(count: int) -> None:
     """Give back up to ``count`` holds on the counter, clamped at zero; empty the cache at zero."""
     remaining = P._cache_enabled - count
     if remaining > 0:
@@ -70,92 +90,102 @@ def _release(count: int) -> int:
     else:
         P._cache_enabled = 0
         P._cache = {}
-    return count
-
-
-def _is_call_impl(code: CodeType) -> bool:
-    """Whether a frame's code is ``Module._call_impl``, as eager torch or torch.compile runs it."""
-    if code is _CALL_IMPL_CODE:
-        return True
-    assert _CALL_IMPL_CODE is not None
-    if code.co_filename != _CALL_IMPL_CODE.co_filename:
-        return False
-    return code.co_name == _CALL_IMPL_CODE.co_name or code.co_name.startswith(_RESUME_PREFIX)
-
-
-def _live_modules() -> Iterator[object]:
-    """The module of every ``Module._call_impl`` frame on any thread's stack (one per live call)."""
-    if _CALL_IMPL_CODE is None:
-        return
-    for top in sys._current_frames().values():
-        frame: FrameType | None = top
-        while frame is not None:
-            if _is_call_impl(frame.f_code):
-                yield frame.f_locals.get("self")
-            frame = frame.f_back
-
-
-def _live_calls(module: torch.nn.Module) -> int:
-    """Calls of ``module`` live on any thread's stack, the caller's own call included."""
-    if _CALL_IMPL_CODE is None:
-        return sys.maxsize  # cannot tell: treat every hold as live
-    return sum(1 for live in _live_modules() if live is module)
 
 
 def _eager_only(function: _F) -> _F:
-    """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break.
-
-    Healing walks the threads' stacks and resetting touches every gate: neither can be traced,
-    and both are rare (a forward entered with holds already taken, a release by hand).
-    """
+    """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break."""
     try:
-        disable = getattr(getattr(torch, "compiler", None), "disable", None)
-        if disable is None:
-            from torch import _dynamo
-
-            disable = _dynamo.disable
-        return cast(_F, disable(function))
+        return cast(_F, torch.compiler.disable(function))
     except Exception:  # a torch without a usable compiler: nothing traces it there
         return function
+
+
+class _Holds:
+    """One thread's holds on one gate. Given back when it dies: its thread ended, its gate (module)
+    was collected, or a forked child dropped the thread it belonged to."""
+
+    __slots__ = ("__weakref__", "anchor", "anchor_depth", "anchor_n", "gate", "n", "thread")
+
+    def __init__(self, gate: weakref.ref[Gate]) -> None:
+        self.n = 0
+        self.gate = gate
+        self.thread = threading.get_ident()
+        self.anchor: FrameType | None = None
+        """The innermost live call that holds one of the first ``anchor_n`` holds, when a walk last
+        found all of them live; while it is on the stack, so are they (see :func:`_walk`)."""
+        self.anchor_n = 0
+        self.anchor_depth = 0
+
+    def forget_anchor(self) -> None:
+        self.anchor = None
+        self.anchor_n = 0
+
+    def __del__(self) -> None:
+        try:
+            held, self.n = self.n, 0
+            if held:
+                _release(held)
+        except Exception:  # at interpreter shutdown torch may already be gone
+            pass
+
+
+_HOLDS: weakref.WeakSet[_Holds] = weakref.WeakSet()
+"""Every thread's holds on every gate (for reset() and the safety nets' release)."""
+
+
+class _PerThread(threading.local):
+    holds: _Holds
+
+    def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
+        self.holds = _Holds(gate)
+        _HOLDS.add(self.holds)
 
 
 class Gate:
     """The parametrization-cache gate of one module. Its two bound methods are the hooks."""
 
-    __slots__ = ("__weakref__", "held")
+    __slots__ = ("__weakref__", "origin", "threads")
 
-    def __init__(self) -> None:
-        self.held = 0
-        """Holds this module's pre-hook took that its forward hook has not given back."""
-        with _LOCK:  # reset() walks the set under the lock
-            _GATES.add(self)
+    def __init__(self, origin: str = ORIGIN) -> None:
+        self.origin = origin
+        """The module whose plain pair this gate replaced: what its hooks pickle as."""
+        self.threads = _PerThread(weakref.ref(self))
 
-    def __reduce__(self) -> tuple[type[Gate], tuple[()]]:
-        # A copied or unpickled module gets a fresh gate: holds belong to live calls only.
-        return (Gate, ())
+    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
+        # Pickled as the module the replaced functions live in: a pickled hook `gate.<name>` is
+        # loaded as `getattr(that module, <name>)`, the plain function this gate replaced.
+        return (importlib.import_module, (self.origin,))
 
-    def __del__(self) -> None:
-        # The module (or its hooks) went away: nothing can give these holds back any more.
-        try:
-            held = self.held
-            if held:
-                self.held = 0
-                _release(held)
-        except Exception:  # at interpreter shutdown torch may already be gone
-            pass
+    def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
+        return type(self)(self.origin)  # a copied module gets a fresh gate: holds belong to live calls
 
-    def enter(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook: take one hold and switch the cache on."""
-        if self.held:
-            self.heal(module)
-        self.held += 1
+    def _enable_parametrization_cache(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook: take one hold on this thread and switch the cache on."""
+        holds = self.threads.holds
+        held = holds.n
+        if held:  # a self-call, or a hold left by a BaseException: heal (see _walk)
+            if _compiling():
+                _heal_outside_traces(module, holds)
+            else:
+                try:  # the same holds, and their innermost call still on the stack: all live
+                    live = holds.anchor_n == held and _frame(holds.anchor_depth) is holds.anchor
+                except ValueError:  # the stack is not that deep any more
+                    live = False
+                if not live:
+                    _walk(module, holds, _frame())
+            held = holds.n
+        holds.n = held + 1
         P._cache_enabled += 1
 
-    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Always-called forward hook: give back one hold, if this module's pre-hook took one."""
+    def _disable_parametrization_cache(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Always-called forward hook: give back one hold, if this module's pre-hook took one on this thread."""
+        holds = self.threads.holds
+        held = holds.n
         # _release(1) inlined: a call here would cost time and open a gap for a thread switch.
-        if self.held:
-            self.held -= 1
+        if held:
+            holds.n = held - 1
+            if held <= holds.anchor_n:  # the anchored call has ended: let its frame go
+                holds.forget_anchor()
             remaining = P._cache_enabled - 1
             if remaining > 0:
                 P._cache_enabled = remaining
@@ -163,52 +193,100 @@ class Gate:
                 P._cache_enabled = 0
                 P._cache = {}
 
-    def heal(self, module: torch.nn.Module) -> int:
-        """Release holds of calls that are no longer on any stack (left by a BaseException).
 
-        Called by the pre-hook when the module already holds something, before it takes its
-        own hold; returns the holds released. Never traced by torch.compile (see
-        :func:`_heal`).
-        """
-        return _heal(self, module)
-
-
-@_eager_only
-def _heal(gate: Gate, module: torch.nn.Module) -> int:
-    with _LOCK:
-        live = max(_live_calls(module) - 1, 0)  # minus the call being entered
-        # Read, compare and write `held` with no call in between: other threads' hooks
-        # may have moved it while the stacks were walked, and it must never go negative.
-        held = gate.held
-        stale = held - live
-        if stale <= 0:
-            return 0
-        gate.held = live
-        return _release(stale)
+_LOCK = threading.RLock()
 
 
 class _LockedGate(Gate):
-    """The gate for free-threaded Python builds, where the hot path needs the lock."""
+    """The gate for free-threaded Python builds, where the counter's update needs a lock."""
 
     __slots__ = ()
 
-    def enter(self, module: torch.nn.Module, args: Any) -> None:
+    def _enable_parametrization_cache(self, module: torch.nn.Module, args: Any) -> None:
         with _LOCK:
-            super().enter(module, args)
+            super()._enable_parametrization_cache(module, args)
 
-    def exit(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def _disable_parametrization_cache(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         with _LOCK:
-            super().exit(module, args, output)
-
-    def __reduce__(self) -> tuple[type[Gate], tuple[()]]:
-        return (_LockedGate, ())
-
-    def __del__(self) -> None:
-        with _LOCK:
-            super().__del__()
+            super()._disable_parametrization_cache(module, args, output)
 
 
-_GATE_CLASS: type[Gate] = Gate if _GIL else _LockedGate
+def _after_fork_in_child() -> None:
+    """A forked child has one thread: only its holds are live. The interpreter drops the other
+    threads' thread-local holds itself; this also covers one that a paused frame still referred to."""
+    global _LOCK
+    _LOCK = threading.RLock()  # never wait on a lock one of the parent's threads held
+    try:
+        me = threading.get_ident()
+        for holds in list(_HOLDS):
+            if holds.thread != me:
+                held, holds.n = holds.n, 0
+                holds.forget_anchor()
+                if held:
+                    _release(held)
+    except Exception:  # never disturb a fork
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_GATE: type[Gate] = Gate if _GIL else _LockedGate
+
+
+def _is_call_impl(code: CodeType) -> bool:
+    """Whether a frame's code is ``Module._call_impl``, as eager torch or torch.compile runs it."""
+    if code is _CALL_IMPL:
+        return True
+    if code.co_filename != _CALL_IMPL.co_filename:
+        return False
+    return code.co_name == _CALL_IMPL.co_name or code.co_name.startswith(_RESUME_PREFIX)
+
+
+def _calls_on_this_thread(frame: FrameType | None) -> Iterator[tuple[int, FrameType]]:
+    """Every ``Module._call_impl`` frame from ``frame`` down this thread's stack, innermost first,
+    with how many frames below ``frame`` it is."""
+    depth = 0
+    while frame is not None:
+        if _is_call_impl(frame.f_code):
+            yield depth, frame
+        frame = frame.f_back
+        depth += 1
+
+
+def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType) -> None:
+    """Give back this thread's holds on ``module`` that no live call of it on this thread owns.
+
+    Called by the pre-hook (whose frame is ``start``) when the thread already holds the module: a
+    self-call (live) or a call left by a BaseException (stale). This thread's stack is walked from
+    the top down, only until every hold is accounted for. The innermost holding call found is
+    remembered with how deep it sits below the pre-hook: while the holds stay the same and that frame
+    is still there (one look at a known depth), every hold is live, so a module that calls itself
+    again and again is walked once, not once per call.
+    """
+    held = holds.n
+    holds.forget_anchor()
+    live = -1  # the innermost call found is the one being entered, which holds nothing yet
+    for depth, frame in _calls_on_this_thread(start):
+        if frame.f_locals.get("self") is module:
+            live += 1
+            if live == 1:
+                holds.anchor, holds.anchor_depth = frame, depth
+            if live >= held:
+                holds.anchor_n = held
+                return
+    live = max(live, 0)
+    holds.anchor_n = live
+    if not live:
+        holds.forget_anchor()
+    holds.n = live
+    _release(held - live)
+
+
+@_eager_only
+def _heal_outside_traces(module: torch.nn.Module, holds: _Holds) -> None:
+    """Healing where torch.compile traces the pre-hook: the walk runs in a graph break."""
+    _walk(module, holds, sys._getframe())
 
 
 def _is_ours(hook: object) -> bool:
@@ -231,7 +309,7 @@ def _named(hook: object, name: str) -> bool:
 
 
 def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
-    """The module's cache pair hooks that are not ours, matched by function name.
+    """The module's cache pair hooks that are not ours, matched by function name, in order.
 
     Returns the keys of the enable pre-hooks, the keys of the disable forward hooks, and whether
     there are disable hooks and every one of them is always-called (upstream's fix).
@@ -242,8 +320,37 @@ def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
     return enables, disables, always_called
 
 
+class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
+    """A module's ``_forward_hooks_always_called`` that pickles without the gate's entry where the pair
+    it replaced was plain, so a pickled module holds exactly the pair it had before the fix."""
+
+    __slots__ = ("plain",)
+
+    def __init__(self, items: Any = (), plain: frozenset[int] = frozenset()) -> None:
+        super().__init__(items)
+        self.plain = plain
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (collections.OrderedDict, ([(k, v) for k, v in self.items() if k not in self.plain],))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
+        return _AlwaysCalled(self.items(), self.plain)
+
+
+def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
+    """Put ``hook`` where the first (or last) of ``keys`` is in ``hooks`` and drop the others."""
+    wanted = set(keys)
+    order = [key for key in hooks if key in wanted]
+    keep = order[0] if first else order[-1]
+    for key in order:
+        if key != keep:
+            del hooks[key]
+    hooks[keep] = hook  # assigning to an existing key keeps its place
+    return keep
+
+
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
-    """Replace every plain cache-gate pair on ``module`` with one gate.
+    """Replace every plain cache-gate pair on ``module`` with its one gate, in the pair's places.
 
     Returns ``True`` when the module changed. A module without an enable hook is left alone, so
     calling this twice changes nothing the second time. So is a module whose pairs are already
@@ -255,31 +362,63 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
         return False
     if always_called and len(disables) == len(enables) and not replace_always_called:
         return False
-    pre_hooks = module._forward_pre_hooks
-    post_hooks = module._forward_hooks
-    for key in enables:
-        del pre_hooks[key]
+    gate = gate_of(module)
+    if gate is None:
+        first = module._forward_pre_hooks[enables[0]]
+        gate = _GATE(getattr(first, "__module__", None) or ORIGIN)
+    enter, leave = gate._enable_parametrization_cache, gate._disable_parametrization_cache
+    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+    ours = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
+    kept = _take_place(pre_hooks, ours + enables, enter, first=True)
+    for key in enables + ours:
         module._forward_pre_hooks_with_kwargs.pop(key, None)
-    for key in disables:
-        del post_hooks[key]
+    always = module._forward_hooks_always_called
+    if not isinstance(always, _AlwaysCalled):
+        always = module._forward_hooks_always_called = _AlwaysCalled(always.items())
+    plain = {key for key in disables if key not in always} | always.plain
+    ours = [key for key, hook in post_hooks.items() if _is_ours(hook)]
+    if disables or ours:
+        kept = _take_place(post_hooks, ours + disables, leave, first=False)
+    else:  # an enable hook alone: the gate still needs its forward hook
+        kept = module.register_forward_hook(leave).id
+    for key in disables + ours:
         module._forward_hooks_with_kwargs.pop(key, None)
-        module._forward_hooks_always_called.pop(key, None)
-    if gate_of(module) is None:
-        gate = _GATE_CLASS()
-        # First among the module's pre-hooks, so no pre-hook of its own can raise before the
-        # hold is taken; the forward hook runs whatever happens after that.
-        module.register_forward_pre_hook(gate.enter, prepend=True)
-        module.register_forward_hook(gate.exit, always_call=True)
+        always.pop(key, None)
+    always[kept] = True
+    always.plain = frozenset(plain & {kept})
     return True
+
+
+def convert_at_forward(module: Any, replace_always_called: bool = False) -> bool:
+    """For the wrapped enable function, called as a pre-hook: turn a plain pair into a gate.
+
+    A module quantized and pickled elsewhere, or loaded from a pickle of a gated module, holds the
+    plain pair; where the fix is active the enable function is ours and calls this at the module's
+    first forward. Returns True when the call is taken care of (the gate took this forward's hold, or
+    the module's own gate runs in this forward), False when the wrapped function should run as it is.
+    """
+    if not isinstance(module, torch.nn.Module):
+        return False
+    had_gate = gate_of(module) is not None
+    converted = install(module, replace_always_called)
+    if had_gate:
+        # This call comes from the snapshot of pre-hooks torch took before a conversion, or from a
+        # plain pair registered beside the gate: the gate's own pre-hook takes the hold.
+        return True
+    if converted:
+        gate = gate_of(module)
+        assert gate is not None
+        gate._enable_parametrization_cache(module, ())
+        return True
+    return False
 
 
 def clamped_disable(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """bitsandbytes' ``_disable_parametrization_cache``, never below zero, cache emptied at zero."""
-    with _LOCK:
-        if P._cache_enabled > 0:
-            return wrapped(*args, **kwargs)
-        _release(0)
-        return None
+    if P._cache_enabled > 0:
+        return wrapped(*args, **kwargs)
+    _release(0)
+    return None
 
 
 def counter() -> int:
@@ -297,18 +436,6 @@ def cached_bytes() -> int:
     return total
 
 
-def _live_calls_by_gate() -> dict[Gate, int]:
-    """For every gated module with a call live on some thread's stack: how many such calls."""
-    if _CALL_IMPL_CODE is None:  # cannot tell: treat every hold as live
-        return {gate: gate.held for gate in list(_GATES)}
-    live: dict[Gate, int] = {}
-    for module in _live_modules():
-        gate = gate_of(module) if isinstance(module, torch.nn.Module) else None
-        if gate is not None:
-            live[gate] = live.get(gate, 0) + 1
-    return live
-
-
 @_eager_only
 def release_left_behind(added: int) -> int:
     """Give back at most ``added`` holds that nothing live owns; returns how many it gave back.
@@ -316,38 +443,46 @@ def release_left_behind(added: int) -> int:
     For the safety nets (``guard()``, the Trainer callback, the notebook cell-end release), which
     pass how much the counter rose during their step or cell: holds taken before it began (a
     ``P.cached()`` block of another thread, a hold kept across cells) are never theirs to give.
-    First the stale holds of gates (their module has no call on any thread's stack: a forward left
-    by a ``BaseException``), then holds no gate accounts for (a plain pair that lost its "off",
-    bitsandbytes unpatched or a look-alike copy). Holds of live gated calls are never given back,
-    and the counter never goes below zero.
+    First this thread's stale holds of gates (their module has no call on this thread's stack: a
+    forward left by a ``BaseException``), then holds no gate accounts for (a plain pair that lost
+    its "off", bitsandbytes unpatched or a look-alike copy). Other threads' gate holds belong to
+    their live calls and are never given back, and the counter never goes below zero.
     """
-    with _LOCK:
-        counter = int(P._cache_enabled)
-        budget = min(added, counter)
-        if budget <= 0:
-            return 0
-        live = _live_calls_by_gate()
-        released = 0
-        for gate in list(_GATES):
-            stale = gate.held - live.get(gate, 0)
-            if stale > 0 and released < budget:
-                take = min(stale, budget - released)
-                gate.held -= take
-                released += take
-        unaccounted = counter - released - sum(gate.held for gate in list(_GATES))
-        if unaccounted > 0:
-            released += min(unaccounted, budget - released)
-        if released:
-            _release(released)
-        return released
+    counter = int(P._cache_enabled)
+    budget = min(added, counter)
+    if budget <= 0:
+        return 0
+    live: dict[Gate, int] = {}
+    for _, frame in _calls_on_this_thread(sys._getframe()):
+        module = frame.f_locals.get("self")
+        gate = gate_of(module) if isinstance(module, torch.nn.Module) else None
+        if gate is not None:
+            live[gate] = live.get(gate, 0) + 1
+    me = threading.get_ident()
+    released = 0
+    everyone = list(_HOLDS)
+    for holds in everyone:
+        gate = holds.gate()
+        stale = holds.n - (live.get(gate, 0) if gate is not None else 0)
+        if holds.thread == me and stale > 0 and released < budget:
+            take = min(stale, budget - released)
+            holds.n -= take
+            holds.forget_anchor()
+            released += take
+    unaccounted = counter - released - sum(holds.n for holds in everyone)
+    if unaccounted > 0:
+        released += min(unaccounted, budget - released)
+    if released:
+        _release(released)
+    return released
 
 
 @_eager_only
 def reset() -> int:
     """Switch the cache off and empty it; forget every gate's holds. Returns the holds released."""
-    with _LOCK:
-        released = max(int(P._cache_enabled), 0)
-        for gate in list(_GATES):
-            gate.held = 0
-        _release(released)
+    released = max(int(P._cache_enabled), 0)
+    for holds in list(_HOLDS):
+        holds.n = 0
+        holds.forget_anchor()
+    _release(released)
     return released

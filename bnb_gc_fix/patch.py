@@ -3,6 +3,10 @@
 * The target's registering function (bitsandbytes' ``_register_parametrization_hooks``, axolotl's
   ``replace_parameter_8bit``) still runs in full; afterwards the plain cache pair it added to its
   module is swapped for the module's one gate.
+* The target's enable function (``_enable_parametrization_cache``), met as a pre-hook of a module
+  that still holds a plain pair (one quantized elsewhere and pickled, or loaded from a pickle of a
+  gated module, whose hooks pickle as the plain pair), turns that pair into the gate at the
+  module's first forward.
 * The target's clamped disable function, if it names one (bitsandbytes'
   ``_disable_parametrization_cache``), can no longer drive the counter below zero when anything
   calls it directly, and it still empties the cache at zero.
@@ -47,12 +51,28 @@ def _register_wrapper(replace_always_called: bool) -> _WrapperFunction:
     return wrapper
 
 
+def _enable_wrapper(replace_always_called: bool) -> _WrapperFunction:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            if args and gate.convert_at_forward(args[0], replace_always_called):
+                return None
+        except Exception:  # never break the user's forward: the plain hook runs as it is
+            logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
 def _disable_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return gate.clamped_disable(wrapped, args, kwargs)
 
 
-def _wrappers(target: Target, replace_always_called: bool = False) -> dict[str, _WrapperFunction]:
+def _wrappers(
+    module: ModuleType, target: Target, replace_always_called: bool = False
+) -> dict[str, _WrapperFunction]:
     wrappers = {target.register: _register_wrapper(replace_always_called)}
+    if hasattr(module, gate.ENABLE_NAME):
+        wrappers[gate.ENABLE_NAME] = _enable_wrapper(replace_always_called)
     if target.clamp is not None:
         wrappers[target.clamp] = _disable_wrapper
     return wrappers
@@ -60,7 +80,7 @@ def _wrappers(target: Target, replace_always_called: bool = False) -> dict[str, 
 
 def is_applied(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
     """Whether our wrappers are on the target's module right now."""
-    return all(isinstance(getattr(module, name, None), _Wrapper) for name in _wrappers(target))
+    return all(isinstance(getattr(module, name, None), _Wrapper) for name in _wrappers(module, target))
 
 
 def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> bool:
@@ -71,7 +91,7 @@ def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_call
     """
     if is_applied(module, target):
         return False
-    for name, wrapper in _wrappers(target, replace_always_called).items():
+    for name, wrapper in _wrappers(module, target, replace_always_called).items():
         current = getattr(module, name)
         if not isinstance(current, _Wrapper):
             setattr(module, name, _Wrapper(current, wrapper))
@@ -81,7 +101,7 @@ def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_call
 def remove(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
     """Put the library's own functions back; returns False when nothing was wrapped."""
     removed = False
-    for name in _wrappers(target):
+    for name in _wrappers(module, target):
         current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
             setattr(module, name, current.__wrapped__)
