@@ -266,6 +266,40 @@ def test_find_spec_alone_activates_nothing_and_the_import_does() -> None:
     assert run_code(code).stdout.split() == ["True", "False", "False", "True"]
 
 
+LAZY = (
+    PRELUDE
+    + """
+import importlib.util
+# The lazy-import recipe of Python's docs (importlib.util.LazyLoader): the import system never loads it.
+spec = importlib.util.find_spec("bitsandbytes")
+loader = importlib.util.LazyLoader(spec.loader)
+spec.loader = loader
+bitsandbytes = importlib.util.module_from_spec(spec)
+sys.modules["bitsandbytes"] = bitsandbytes
+loader.exec_module(bitsandbytes)
+lazy = "bnb_gc_fix" in sys.modules  # nothing of bitsandbytes has run yet
+bitsandbytes.__version__  # runs it
+"""
+    + LEAK
+    + """
+fix = sys.modules.get("bnb_gc_fix")
+print(json.dumps({"lazy": lazy, "via": fix and fix.status().via, "counters": steps(quantized.make()),
+                  "loader": type(bitsandbytes.__spec__.loader).__name__}))
+"""
+)
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_bitsandbytes_imported_through_lazy_loader_activates_the_fix(switch: str | None) -> None:
+    out = json.loads(run_code(LAZY, switch=switch).stdout.splitlines()[-1])
+    assert out["lazy"] is False and out["loader"] == "SourceFileLoader"
+    if switch is None:
+        assert out["via"] == "start-up hook" and out["counters"] == [0, 0, 0]
+    else:
+        assert out["via"] is None and out["counters"][-1] > out["counters"][0] > 0
+
+
 # --- the safety nets never corrupt ----------------------------------------------------------------
 
 BACKGROUND_HOLD = """
