@@ -384,6 +384,15 @@ def _library_status(library: _Library) -> LibraryStatus:
     )
 
 
+def _via() -> str | None:
+    """How the fix was turned on. An import is credited to the start-up hook or the runner only if
+    its finder fired (it saw bitsandbytes about to run, so it turned the fix on or would have):
+    another import hook in front of it can hide bitsandbytes' import from it."""
+    if not _state.on():
+        return None
+    return boot.trigger if _state.via == "import" and boot.trigger else _state.via
+
+
 def _startup_hook() -> str:
     if boot.installed_watcher() is not None or boot.trigger is not None:
         return "installed"
@@ -404,7 +413,7 @@ def status() -> Status:
         cache_bytes=cache_bytes,
         mode=boot.mode(),
         switch=_env_value(),
-        via=_state.via if _state.on() else None,
+        via=_via(),
         startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
         gil=gil_enabled(),
@@ -438,7 +447,5 @@ def _pending_reason(bnb: str | None) -> str | None:
 
 
 def activate_on_import() -> None:
-    """What ``import bnb_gc_fix`` does: activate, crediting the start-up hook or runner if they did it."""
-    watcher = boot.installed_watcher()
-    via = boot.trigger or (watcher.via if watcher is not None else "import")
-    activate(via=via)
+    """What ``import bnb_gc_fix`` does (status() credits the start-up hook or runner if it fired)."""
+    activate(via="import")
