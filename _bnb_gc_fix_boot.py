@@ -2,15 +2,15 @@
 
 This module lives outside the ``bnb_gc_fix`` package on purpose: importing the package
 pulls in wrapt and packaging (tens of milliseconds), and every Python process on the machine
-runs the ``.pth`` line. Importing this file touches only ``os`` and ``sys``, which the
+runs the ``.pth`` line. Importing this file touches only ``os``, ``sys`` and ``_thread``, which the
 interpreter has already loaded by the time ``site`` processes ``.pth`` files.
 
 What it does at start-up: read ``BNB_GC_FIX`` and, unless it switches the fix off, put a tiny
 finder at the front of ``sys.meta_path``. The finder changes nothing any import finds. When
-``bitsandbytes`` is imported, it imports ``bnb_gc_fix`` just before bitsandbytes' code runs;
+``bitsandbytes`` is executed, it imports ``bnb_gc_fix`` just before bitsandbytes' code runs;
 that import activates the fix (a post-import hook that patches ``bitsandbytes.nn.parametrize``
 when that module loads). Processes that never import bitsandbytes pay for one list insertion and
-one string comparison per import.
+one set look-up per import.
 
 It is also the one place that knows the ``BNB_GC_FIX`` vocabulary, so the package and the
 start-up hook can never disagree about what a value means.
@@ -18,14 +18,17 @@ start-up hook can never disagree about what a value means.
 
 # No `from __future__ import annotations` here: the __future__ module is not loaded at start-up,
 # and importing it would cost every Python process. Annotations that need it are quoted.
+import _thread  # built in, loaded before site runs (the import system's own locks)
 import os
 import sys
 
 TYPE_CHECKING = False  # typing is not loaded at start-up either; mypy reads this name as True
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
+    from importlib.abc import Loader
     from importlib.machinery import ModuleSpec
     from types import ModuleType
+    from typing import Any
 
 VARIABLE = "BNB_GC_FIX"
 
@@ -52,12 +55,18 @@ ACCEPTED = "auto (or unset), 1/on/true/yes, 0/off/false/no, force"
 
 _TRIGGERED_MODULE = "bitsandbytes"
 
+#: The modules the package patches (``bnb_gc_fix.targets.TARGETS``; a test checks that they agree).
+#: The watcher wraps their loaders too, so that one being imported when the fix activates (axolotl's
+#: ``moe_quant`` imports bitsandbytes at its top) is decided once its code has run.
+_TARGET_MODULES = ("bitsandbytes.nn.parametrize", "axolotl.monkeypatch.moe_quant")
+_WATCHED = frozenset((_TRIGGERED_MODULE, *_TARGET_MODULES))
+
 #: Which start-up path ran in this process ("start-up hook" or "runner"), whether or not
 #: ``BNB_GC_FIX`` then switched the fix off; ``None`` when neither ran.
 started_by: "str | None" = None
 
-#: How the fix was turned on before the package was imported ("start-up hook" or "runner"),
-#: set by the finder just before it imports ``bnb_gc_fix``; ``None`` when it has not fired.
+#: The start-up path whose finder fired ("start-up hook" or "runner"): it saw bitsandbytes' code
+#: about to run and imported ``bnb_gc_fix``; ``None`` while it has not fired.
 trigger: "str | None" = None
 
 
@@ -84,11 +93,12 @@ class BitsandbytesWatcher:
     """A meta-path finder that activates bnb-gc-fix just before bitsandbytes' code first runs.
 
     It never changes what an import finds, and it never changes ``sys.meta_path`` (the import
-    system may be iterating it): for ``bitsandbytes`` it asks the finders after it, in order,
-    exactly as the import system would, and returns their spec marked so that the fix activates
-    when that module starts to execute. A lookup alone (``importlib.util.find_spec``, as
-    ``transformers`` does to see whether bitsandbytes is installed) activates nothing. Once
-    fired, it answers ``None`` to everything.
+    system may be iterating it): for a watched module (bitsandbytes, and the modules the package
+    patches) it asks the finders after it, in order, exactly as the import system would, and
+    returns their spec with its loader wrapped (:class:`_WatchingLoader`). The fix activates when
+    that loader executes bitsandbytes, by whatever path (``import``, ``importlib.util.LazyLoader``,
+    ``module_from_spec`` and ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
+    ``transformers`` does to see whether bitsandbytes is installed) activates nothing.
     """
 
     bnb_gc_fix_watcher = True
@@ -100,15 +110,20 @@ class BitsandbytesWatcher:
     def find_spec(
         self, fullname: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
     ) -> "ModuleSpec | None":
-        if fullname != _TRIGGERED_MODULE or self.fired:
+        if fullname not in _WATCHED:
             return None
         try:
             spec = self._spec_after_me(fullname, path, target)
         except Exception:  # a later finder failed: the import system will ask it again and say so
-            self.fire()
-            return None
-        if spec is not None and not _fire_on_exec(spec, self):
-            self.fire()  # a spec we cannot mark: activate now, as the import is about to load it
+            spec = None
+            if fullname == _TRIGGERED_MODULE:
+                self.fire()
+        if spec is None or isinstance(spec.loader, _WatchingLoader):
+            return spec
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _WatchingLoader(spec.loader, fullname, self)
+        elif fullname == _TRIGGERED_MODULE:
+            self.fire()  # a spec we cannot wrap: activate now, as the import is about to load it
         return spec
 
     def _spec_after_me(
@@ -141,40 +156,79 @@ class BitsandbytesWatcher:
             pass
 
 
-def _fire_on_exec(spec: "ModuleSpec", watcher: BitsandbytesWatcher) -> bool:
-    """Mark a plain ``ModuleSpec`` so that ``watcher.fire()`` runs as its module starts to execute.
+if TYPE_CHECKING:
+    from importlib.abc import Loader as _LoaderBase
+else:
+    _LoaderBase = object  # importlib.abc is not loaded at start-up; the protocol needs no base class
 
-    The import machinery sets ``spec._initializing = True`` (``importlib._bootstrap._load_unlocked``)
-    once the spec was found and right before the module's code runs; the marked class calls back
-    then, and puts the plain class back. Returns False for a spec of another class.
+
+class _WatchingLoader(_LoaderBase):
+    """The loader of a watched module's spec: the real one, and a word to us when it executes.
+
+    It follows the loader protocol (``create_module``, ``exec_module``; anything else is the real
+    loader's), as wrapt's post-import hooks wrap a loader. ``exec_module`` first puts the real loader
+    back on the module and its spec, so nothing anyone sees changes; for bitsandbytes it activates the
+    fix before the module's code runs; after the code ran to its end it calls back whoever asked
+    (:func:`when_complete`).
     """
-    import importlib.machinery
 
-    plain = importlib.machinery.ModuleSpec
-    if type(spec) is not plain:
-        return False
-    object.__setattr__(spec, "_bnb_gc_fix_on_exec", watcher)
-    spec.__class__ = _activating_spec_class(plain)
-    return True
+    def __init__(self, loader: "Loader", name: str, watcher: BitsandbytesWatcher) -> None:
+        self.loader = loader
+        self.name = name
+        self.watcher = watcher
+
+    def __getattr__(self, name: str) -> "Any":  # get_filename, get_source, is_package, ...
+        if name == "loader":  # not set yet (a copy made without __init__)
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
+        create = getattr(self.loader, "create_module", None)
+        return None if create is None else create(spec)
+
+    def exec_module(self, module: "ModuleType") -> None:
+        spec = getattr(module, "__spec__", None)
+        if getattr(spec, "loader", None) is self:
+            spec.loader = self.loader  # type: ignore[union-attr]
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.loader
+        if self.name == _TRIGGERED_MODULE:
+            self.watcher.fire()
+        with _LOCK:
+            _EXECUTING.add(self.name)
+        completed = False
+        try:
+            self.loader.exec_module(module)
+            completed = True
+        finally:
+            with _LOCK:
+                _EXECUTING.discard(self.name)
+                # After a failure the import system drops the half module: wait for the next import.
+                callbacks = _CALLBACKS.pop(self.name, []) if completed else []
+            for callback in callbacks:
+                try:
+                    callback()
+                except Exception:  # never break the user's import
+                    pass
 
 
-_ACTIVATING_SPEC: "type | None" = None
+_LOCK = _thread.allocate_lock()
+_EXECUTING: "set[str]" = set()
+_CALLBACKS: "dict[str, list[Callable[[], None]]]" = {}
 
 
-def _activating_spec_class(base: type) -> type:
-    global _ACTIVATING_SPEC
-    if _ACTIVATING_SPEC is None:
-
-        def __setattr__(self: object, name: str, value: object) -> None:  # noqa: N807
-            if name == "_initializing" and value:
-                object.__setattr__(self, "__class__", base)
-                watcher = self.__dict__.pop("_bnb_gc_fix_on_exec", None)
-                if watcher is not None:
-                    watcher.fire()
-            object.__setattr__(self, name, value)
-
-        _ACTIVATING_SPEC = type("_ActivatingSpec", (base,), {"__setattr__": __setattr__})
-    return _ACTIVATING_SPEC
+def when_complete(name: str, callback: "Callable[[], None]") -> bool:
+    """Call ``callback()`` once the module ``name``, executing through the watcher's loader right now,
+    has run to its end (after a failure: once its next import has). False when ``name`` is not
+    executing through the watcher's loader (no start-up hook, or another finder answered for it);
+    the callback is then never called. Callbacks run outside the import's error path: they must not
+    raise, and what they raise is dropped.
+    """
+    with _LOCK:
+        if name not in _EXECUTING:
+            return False
+        _CALLBACKS.setdefault(name, []).append(callback)
+        return True
 
 
 def installed_watcher() -> "BitsandbytesWatcher | None":

@@ -2,9 +2,9 @@
 
 ``activate()`` patches each known library's module (:data:`bnb_gc_fix.targets.TARGETS`:
 ``bitsandbytes.nn.parametrize``, axolotl's ``moe_quant``) now if it is imported, or when its
-import completes (a wrapt post-import hook; :mod:`bnb_gc_fix.inflight` for a module that is being
-imported right now). Where the installed code is already right (upstream's fix, found by a probe
-of it), it steps aside and says why.
+import completes (a wrapt post-import hook; for a module being imported right now, the start-up
+hook's loader calls back once its code has run). Where the installed code is already right
+(upstream's fix, found by a probe of it), it steps aside and says why.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import warnings
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide, inflight, installed, notebook, report
+from bnb_gc_fix import decide, installed, notebook, report
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
 from bnb_gc_fix.report import LibraryStatus, Status
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
@@ -163,11 +163,16 @@ def _apply(library: _Library, module: ModuleType, mode: str, late: bool = False)
     logger.info("%s", library.reason)
 
 
+def _initializing(module: ModuleType) -> bool:
+    """Whether ``module``'s code is still running (the import system's own flag, read only)."""
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
+
+
 def _arm(library: _Library, mode: str) -> None:
     """Patch the library's module now if it is imported, else when its import completes."""
     name = library.target.module
     module = sys.modules.get(name)
-    if module is not None and not inflight.initializing(module):
+    if module is not None and not _initializing(module):
         _apply(library, module, mode, late=True)
         return
     library.pending = True
@@ -179,9 +184,9 @@ def _arm(library: _Library, mode: str) -> None:
     if module is not None:
         # Half-initialised (the start-up hook fired on an import of bitsandbytes inside it): its
         # functions are not all defined yet. Decide once its code has run.
-        if inflight.when_complete(module, lambda: _on_complete(library)):
+        if boot.when_complete(name, lambda: _on_complete(library)):
             logger.debug("%s is being imported; deciding once its code has run", name)
-        elif not inflight.initializing(module):
+        elif not _initializing(module):
             _apply(library, module, mode)  # it completed meanwhile
         else:
             library.pending = False
@@ -333,7 +338,7 @@ def _verdict(library: _Library) -> decide.Verdict | None:
     if library.verdict is not None:
         return library.verdict
     module = library.module()
-    if module is None or inflight.initializing(module):
+    if module is None or _initializing(module):
         return None
     if library.seen is None or library.seen_module != id(module):
         try:
@@ -379,6 +384,15 @@ def _library_status(library: _Library) -> LibraryStatus:
     )
 
 
+def _via() -> str | None:
+    """How the fix was turned on. An import is credited to the start-up hook or the runner only if
+    its finder fired (it saw bitsandbytes about to run, so it turned the fix on or would have):
+    another import hook in front of it can hide bitsandbytes' import from it."""
+    if not _state.on():
+        return None
+    return boot.trigger if _state.via == "import" and boot.trigger else _state.via
+
+
 def _startup_hook() -> str:
     if boot.installed_watcher() is not None or boot.trigger is not None:
         return "installed"
@@ -399,7 +413,7 @@ def status() -> Status:
         cache_bytes=cache_bytes,
         mode=boot.mode(),
         switch=_env_value(),
-        via=_state.via if _state.on() else None,
+        via=_via(),
         startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
         gil=gil_enabled(),
@@ -433,7 +447,5 @@ def _pending_reason(bnb: str | None) -> str | None:
 
 
 def activate_on_import() -> None:
-    """What ``import bnb_gc_fix`` does: activate, crediting the start-up hook or runner if they did it."""
-    watcher = boot.installed_watcher()
-    via = boot.trigger or (watcher.via if watcher is not None else "import")
-    activate(via=via)
+    """What ``import bnb_gc_fix`` does (status() credits the start-up hook or runner if it fired)."""
+    activate(via="import")

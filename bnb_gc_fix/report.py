@@ -75,9 +75,10 @@ class Status:
     switch: str | None
     """The raw ``BNB_GC_FIX`` value, or None when unset."""
     via: str | None
-    """How the fix was turned on: "start-up hook" or "runner" when that hook was installed in the
-    process when the package was first imported (it would have turned the fix on anyway), "import"
-    when nothing else was, "activate()" after a deactivate(); None while nothing is patched or armed."""
+    """How the fix was turned on: "start-up hook" or "runner" when that hook's finder fired in this
+    process (it saw bitsandbytes about to run: it turned the fix on, or would have had the package not
+    been imported first), "import" otherwise (also when another import hook in front of it answered
+    for bitsandbytes), "activate()" after a deactivate(); None while nothing is patched or armed."""
     startup_hook: str
     """The ``.pth`` start-up hook or the runner in this process: "installed", "switched off" (it
     ran, and ``BNB_GC_FIX`` switched it off) or "not installed"."""

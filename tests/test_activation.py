@@ -110,6 +110,13 @@ def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
     assert result.stdout.strip() == "False"
 
 
+def test_the_start_up_hook_watches_every_patched_module() -> None:
+    # The hook cannot import the package at start-up, so it keeps the targets' modules as a literal.
+    code = "import _bnb_gc_fix_boot as boot; from bnb_gc_fix.targets import TARGETS\n"
+    code += "print(set(boot._TARGET_MODULES) == {t.module for t in TARGETS})"
+    assert run_code(code).stdout.strip() == "True"
+
+
 def test_processes_without_bitsandbytes_never_import_the_package() -> None:
     result = run_code("import json, sys; import email.parser; print('bnb_gc_fix' in sys.modules)")
     assert result.stdout.strip() == "False"

@@ -266,6 +266,83 @@ def test_find_spec_alone_activates_nothing_and_the_import_does() -> None:
     assert run_code(code).stdout.split() == ["True", "False", "False", "True"]
 
 
+LAZY = (
+    PRELUDE
+    + """
+import importlib.util
+# The lazy-import recipe of Python's docs (importlib.util.LazyLoader): the import system never loads it.
+spec = importlib.util.find_spec("bitsandbytes")
+loader = importlib.util.LazyLoader(spec.loader)
+spec.loader = loader
+bitsandbytes = importlib.util.module_from_spec(spec)
+sys.modules["bitsandbytes"] = bitsandbytes
+loader.exec_module(bitsandbytes)
+lazy = "bnb_gc_fix" in sys.modules  # nothing of bitsandbytes has run yet
+bitsandbytes.__version__  # runs it
+"""
+    + LEAK
+    + """
+fix = sys.modules.get("bnb_gc_fix")
+print(json.dumps({"lazy": lazy, "via": fix and fix.status().via, "counters": steps(quantized.make()),
+                  "loader": type(bitsandbytes.__spec__.loader).__name__}))
+"""
+)
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_bitsandbytes_imported_through_lazy_loader_activates_the_fix(switch: str | None) -> None:
+    out = json.loads(run_code(LAZY, switch=switch).stdout.splitlines()[-1])
+    assert out["lazy"] is False and out["loader"] == "SourceFileLoader"
+    if switch is None:
+        assert out["via"] == "start-up hook" and out["counters"] == [0, 0, 0]
+    else:
+        assert out["via"] is None and out["counters"][-1] > out["counters"][0] > 0
+
+
+HOOK_IN_FRONT = (
+    PRELUDE
+    + """
+from importlib.machinery import PathFinder
+
+class Instrumenting:  # as typeguard's import hook: put first at run time, answers for one package
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "bitsandbytes":
+            return PathFinder.find_spec(name, path, target)
+        return None
+
+sys.meta_path.insert(0, Instrumenting())
+"""
+    + LEAK  # imports bitsandbytes, hidden from the start-up hook
+    + """
+before = quantized.make()
+hidden = "bnb_gc_fix" in sys.modules
+import bnb_gc_fix
+s = bnb_gc_fix.status()
+out = {"hidden": hidden, "via": s.via, "state": s.state, "reason": s.reason, "before": steps(before)}
+bnb_gc_fix.reset()
+out["after"] = steps(quantized.make())  # quantized after the import
+print(json.dumps(out))
+"""
+)
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_an_import_hook_in_front_hides_bitsandbytes_and_status_says_so(switch: str | None) -> None:
+    out = json.loads(run_code(HOOK_IN_FRONT, switch=switch).stdout.splitlines()[-1])
+    assert out["hidden"] is False  # the limit: the start-up hook never saw bitsandbytes' import
+    assert out["before"][-1] > 0  # quantized before activation: the plain pair, as status says
+    if switch is None:
+        assert (out["via"], out["state"]) == ("import", "patched")  # not credited to the start-up hook
+        assert "already imported when the fix was activated" in out["reason"]
+        assert "bnb_gc_fix.repair(model)" in out["reason"]
+        assert out["after"] == [0, 0, 0]
+    else:
+        assert (out["via"], out["state"]) == (None, "off")
+        assert out["after"][-1] > 0
+
+
 # --- the safety nets never corrupt ----------------------------------------------------------------
 
 BACKGROUND_HOLD = """
