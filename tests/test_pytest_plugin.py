@@ -1,8 +1,8 @@
 """The pytest plugin (``pytest --parametrize-cache-check``) that reports leaking tests.
 
-Each case is a fresh ``python -m pytest`` run in a temporary folder, on test files written here in the
-shape of the regression tests that upstream projects write; every verdict has its control beside it
-(the same file with ``BNB_GC_FIX=0``, or with the check off).
+Each case is a fresh ``python -m pytest`` run in a temporary folder (pytest's ``pytester`` for the newer
+ones), on test files written here in the shape of the regression tests that upstream projects write;
+every verdict has its control beside it (the same file with ``BNB_GC_FIX=0``, or with the check off).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 from conftest import SCENARIOS, Run, cache_root, environment, pip_target, run_python
 
 pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
+pytest_plugins = ["pytester"]
 
 # In the shape of upstream's checkpointing regression tests: a module quantized with
 # replace_parameter_4bit, a non-reentrant checkpointed region whose recompute stops early (the last
@@ -208,7 +209,7 @@ def test_clean_with_the_fix(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     assert _leaks(run) == {}, run.stdout
     assert _off_zero(tmp_path) == set()
-    assert "no test left torch's parametrization cache switched on" in run.stdout
+    assert "no test or fixture left torch's parametrization cache switched on" in run.stdout
     assert "ParametrizeCacheLeakWarning" not in run.stdout
 
 
@@ -229,47 +230,193 @@ def test_fail_mode_from_the_ini_option(tmp_path: Path) -> None:
     assert "left torch's parametrization cache counter below zero: P._cache_enabled = -1" in run.stdout
 
 
-def test_plugin_imports_neither_torch_nor_the_package_and_leaves_fixture_holds_alone(tmp_path: Path) -> None:
-    first = """
-    import sys
-
-    import pytest
+# --- who is blamed: fixtures (pytester runs) --------------------------------------------------------
 
 
-    def test_nothing_imported():
-        assert "torch" not in sys.modules
-        assert "bnb_gc_fix" not in sys.modules
+@pytest.fixture
+def unfixed(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytester, its runs with the fix off (leaks happen) and the quantized scenarios importable."""
+    monkeypatch.setenv("BNB_GC_FIX", "0")
+    monkeypatch.setenv("PYTHONPATH", str(SCENARIOS))
+    return pytester
 
 
-    @pytest.fixture(scope="module")
-    def held_for_the_module():
-        import torch.nn.utils.parametrize as P
-
-        with P.cached():
-            yield P
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, timeout=300
+    )
 
 
-    def test_first_under_a_module_hold(held_for_the_module):
-        assert held_for_the_module._cache_enabled == 1
+# A model fixture given one checkpointed warm-up step: its setup leaks one hold (bitsandbytes 0.49).
+WARMED_MODEL = """
+import pytest
+import torch
+import torch.nn.utils.parametrize as P
+from torch.utils.checkpoint import checkpoint
+
+import quantized
 
 
-    def test_second_under_a_module_hold(held_for_the_module):
-        assert held_for_the_module._cache_enabled == 1
-    """
-    after = """
-    def test_after_the_module_hold():
-        import torch.nn.utils.parametrize as P
+@pytest.fixture(scope="module")
+def warmed_model():
+    model = quantized.make()
+    checkpoint(model, torch.randn(4, 64), use_reentrant=False).sum().backward()
+    return model
 
-        assert P._cache_enabled == 0
-    """
-    files = {"test_first.py": first, "test_second.py": after}
-    run = _pytest(tmp_path, files, "--parametrize-cache-check=fail", "-W", "ignore::DeprecationWarning")
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert len(_outcomes(run, "PASSED")) == 4
-    assert "no test left torch's parametrization cache switched on" in run.stdout
-    # The witness saw the counter at 1 after the first of them (the fixture ends with the second): a
-    # hold the check rightly left alone.
-    assert _off_zero(tmp_path) == {"test_first_under_a_module_hold"}
+
+def test_uses_the_model(warmed_model):
+    assert warmed_model(torch.randn(2, 64)).shape == (2, 64)
+
+
+def test_never_uses_the_model():
+    assert P._cache_enabled == 0
+
+
+def test_last_does_nothing():
+    pass
+"""
+
+
+def test_a_fixture_leaking_in_its_setup_is_blamed_and_released(unfixed: pytest.Pytester) -> None:
+    unfixed.makepyfile(test_warm=WARMED_MODEL)
+    control = _run(unfixed)  # check off: the leak is real, and a test that never used the fixture inherits it
+    control.assert_outcomes(passed=2, failed=1)
+    control.stdout.fnmatch_lines(["FAILED test_warm.py::test_never_uses_the_model - assert 1 == 0*"])
+    run = _run(unfixed, "--parametrize-cache-check=fail")
+    # An error at the setup it happened in, naming the fixture; released: the later tests pass.
+    run.assert_outcomes(passed=2, errors=1)
+    run.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_uses_the_model*",
+            "fixture 'warmed_model' (module scope) left torch's parametrization cache switched on in its "
+            "setup (+1 that no P.cached() context holds): P._cache_enabled = 1, * bytes cached; *",
+            "LEAK fixture 'warmed_model' (module scope), at test_warm.py::test_uses_the_model: *",
+            "1 fixture left torch's parametrization cache switched on*",
+        ]
+    )
+    assert "LEAK test_warm.py" not in run.stdout.str()  # no test blamed, the last one included
+
+
+COUNTER_BUMP = """
+import torch.nn.utils.parametrize as P
+
+
+def test_leaks():
+    P._cache_enabled += 1  # a hold nothing owns, as a skipped cache-off hook leaves
+
+
+def test_after_starts_clean():
+    assert P._cache_enabled == 0
+"""
+
+
+def test_the_switch_stands_before_paths_and_the_mode_is_an_option_of_its_own(
+    unfixed: pytest.Pytester,
+) -> None:
+    suite = unfixed.mkdir("suite")
+    (suite / "test_bump.py").write_text(COUNTER_BUMP)
+    control = _run(unfixed, "suite/")  # check off: the next test inherits the leak
+    control.assert_outcomes(passed=1, failed=1)
+    warn = _run(unfixed, "--parametrize-cache-check", "suite/")
+    warn.assert_outcomes(passed=2, warnings=1)
+    warn.stdout.fnmatch_lines(
+        [
+            "parametrize-cache-check: warn (bnb-gc-fix)",
+            "LEAK suite/test_bump.py::test_leaks: P._cache_enabled = 1, *",
+        ]
+    )
+    fail_modes = [
+        ("suite/", "--parametrize-cache-check-mode=fail"),  # the mode alone turns the check on
+        ("--parametrize-cache-check=fail", "suite/"),  # the first spelling
+        (
+            "-o",
+            "parametrize_cache_check=fail",
+            "--parametrize-cache-check",
+            "suite/",
+        ),  # the switch keeps ini's
+    ]
+    for args in fail_modes:
+        fail = _run(unfixed, *args)
+        fail.assert_outcomes(passed=2, errors=1)
+        fail.stdout.fnmatch_lines(
+            ["parametrize-cache-check: fail (bnb-gc-fix)", "ERROR suite/test_bump.py::test_leaks*"]
+        )
+
+
+FIXTURE_HOLDS = """
+import sys
+
+import pytest
+
+KEPT = []
+
+
+def test_nothing_imported():
+    assert "torch" not in sys.modules
+    assert "bnb_gc_fix" not in sys.modules
+
+
+@pytest.fixture(scope="module")
+def held_for_the_module():
+    import torch.nn.utils.parametrize as P
+
+    with P.cached():
+        yield P
+
+
+@pytest.fixture(scope="module")
+def never_gives_it_back():
+    import torch.nn.utils.parametrize as P
+
+    context = P.cached()
+    context.__enter__()
+    KEPT.append(context)  # kept alive past the fixture, and never exited
+    yield P
+
+
+def test_first_under_a_module_hold(held_for_the_module):
+    assert held_for_the_module._cache_enabled == 1
+
+
+def test_second_under_a_module_hold(held_for_the_module):
+    assert held_for_the_module._cache_enabled == 1
+
+
+def test_under_a_hold_never_given_back(never_gives_it_back):
+    assert never_gives_it_back._cache_enabled == 2
+
+
+def test_last_does_nothing():
+    pass
+"""
+
+AFTER_THE_HOLDS = """
+def test_after_the_module_holds():
+    import torch.nn.utils.parametrize as P
+
+    assert P._cache_enabled == 0
+"""
+
+
+def test_plugin_imports_neither_torch_nor_the_package_and_blames_only_the_fixture_that_kept_its_hold(
+    unfixed: pytest.Pytester,
+) -> None:
+    unfixed.makepyfile(test_first=FIXTURE_HOLDS, test_second=AFTER_THE_HOLDS)
+    run = _run(unfixed, "--parametrize-cache-check=fail")
+    # The hold kept on purpose is not reported (the control); the one never given back is, against its
+    # fixture, at the teardown where the fixture was finalised, and released: the next file starts clean.
+    run.assert_outcomes(passed=6, errors=1)
+    run.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_last_does_nothing*",
+            "fixture 'never_gives_it_back' (module scope) still held 1 P.cached() context(s) it entered "
+            "after its finalizer: P._cache_enabled = 2, *",
+            "LEAK fixture 'never_gives_it_back' (module scope), at test_first.py::test_last_does_nothing: *",
+            "1 fixture left torch's parametrization cache switched on*",
+        ]
+    )
+    assert "held_for_the_module" not in run.stdout.str()
+    assert "LEAK test_" not in run.stdout.str()
 
 
 # --- bitsandbytes' own tests/test_parametrize.py against 0.49.2 --------------------------------------
