@@ -84,6 +84,9 @@ class Run:
 def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "BNB_GC_FIX"}
     env.pop("PYTHONPATH", None)
+    against = os.environ.get("BNB_GC_FIX_TEST_AGAINST")
+    if against:  # another checkout's package and start-up hook, to show a test failing there
+        env["PYTHONPATH"] = against
     if switch is not None:
         env["BNB_GC_FIX"] = switch
     env.update(extra)
@@ -105,7 +108,7 @@ def run_python(
         capture_output=True,
         text=True,
         timeout=timeout,
-        cwd=cwd or ROOT,
+        cwd=cwd or os.environ.get("BNB_GC_FIX_TEST_AGAINST") or ROOT,  # `-c` puts the folder first
     )
     return Run(completed.returncode, completed.stdout, completed.stderr)
 

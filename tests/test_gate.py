@@ -136,10 +136,10 @@ def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
 
 @pytest.mark.stack
 def test_keyboard_interrupt_control_stays_stuck() -> None:
-    after_interrupt, after_next, _, after_delete = json.loads(run_code(INTERRUPT, switch="0").stdout)
+    after_interrupt, after_next, before_delete, after_delete = json.loads(run_code(INTERRUPT, switch="0").stdout)
     assert after_interrupt == 2  # two plain pairs, both pre-hooks ran
     assert after_next == 2
-    assert after_delete >= 2
+    assert before_delete == after_delete == 4  # two more stuck holds, and nothing gives any back
 
 
 NESTED = (
@@ -334,27 +334,6 @@ def test_repair_fixes_a_model_built_while_deactivated() -> None:
 def test_repair_control_model_built_while_deactivated_leaks() -> None:
     _, counters = json.loads(run_code(REPAIR_TRAIN.replace("sys.argv[1]", "'no'")).stdout)
     assert counters[-1] > counters[0] > 0
-
-
-def test_copies_of_a_gated_module_get_a_fresh_gate() -> None:
-    code = (
-        PRELUDE
-        + """
-import copy, pickle, torch
-import bnb_gc_fix, quantized
-from bnb_gc_fix.gate import Gate, gate_of
-module = quantized.make(params=2)
-clone = copy.deepcopy(module)
-clone(torch.randn(2, 64))
-quantized.interrupted_forward(module, torch.randn(2, 64))
-held = gate_of(module).held
-revived = pickle.loads(pickle.dumps(gate_of(module)))
-bnb_gc_fix.reset()
-print(json.dumps([gate_of(clone) is not gate_of(module), held, type(revived) is Gate and revived.held == 0,
-    quantized.counter()]))
-"""
-    )
-    assert json.loads(run_code(code).stdout) == [True, 1, True, 0]
 
 
 # --- threads -------------------------------------------------------------------------------------

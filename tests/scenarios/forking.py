@@ -6,7 +6,7 @@ A serving thread runs a 4-bit module that calls itself. While its inner call run
 at every function of bnb-gc-fix it enters (holding whatever that code holds at that instant: locks,
 references) and once inside the inner forward's own body; at each stop the main thread forks a child.
 Each child reports the counter it starts with, then runs a plain forward and a self-calling forward
-of the same module, and reports the counter again; the parent waits at most 30 s for it. One JSON
+of the same module, and reports the counter again; the parent waits at most 10 s for it. One JSON
 line: ``{"children": [{"stop": ..., "at_fork": n, "after": n} or {"stop": ..., "hung": true}]}``.
 """
 
@@ -86,7 +86,7 @@ def fork_at(where: str) -> dict[str, Any]:
     pid = os.fork()
     if pid == 0:
         child(where)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done:

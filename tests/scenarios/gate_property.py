@@ -7,7 +7,8 @@ module calling itself (directly or through others), non-reentrant checkpointed r
 backward recompute stops early, ``Exception`` and ``BaseException`` raised at random points and
 caught at random levels, and sub-programs run on a second thread. An oracle tracks what the
 counter must be: one hold per module call live on a stack, plus the holds that a
-``BaseException`` left behind and that no forward of that module has healed yet. After every
+``BaseException`` left behind on a thread that is still running and that no forward of that module
+on that thread has healed yet (a thread's holds end with it). After every
 caught exit: the counter equals the oracle, it is never negative, and the cache is empty at
 zero; at the end, one forward of every module heals what is left, and the counter is 0.
 
@@ -72,10 +73,11 @@ Step = Union[Call, Raise, Checkpointed, OnThread]
 
 @dataclass
 class Oracle:
-    """What the counter must be: live calls on the stacks plus unhealed holds left by BaseExceptions."""
+    """What the counter must be: live calls on the stacks plus unhealed holds left by BaseExceptions,
+    by (thread, module)."""
 
     live: int = 0
-    stale: dict[int, int] = field(default_factory=dict)
+    stale: dict[tuple[int, int], int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     failures: list[str] = field(default_factory=list)
 
@@ -116,8 +118,9 @@ NODES: list[Node] = []
 
 def call(step: Call, x: Any, oracle: Oracle) -> None:
     module = NODES[step.module]
+    key = (threading.get_ident(), step.module)
     with oracle.lock:
-        oracle.stale.pop(step.module, None)  # its pre-hook heals what BaseExceptions left
+        oracle.stale.pop(key, None)  # its pre-hook heals what BaseExceptions left on this thread
         oracle.live += 1
     try:
         module(x, step.body)
@@ -131,7 +134,7 @@ def call(step: Call, x: Any, oracle: Oracle) -> None:
     except Interrupt:
         with oracle.lock:
             oracle.live -= 1
-            oracle.stale[step.module] = oracle.stale.get(step.module, 0) + 1  # no hook ran
+            oracle.stale[key] = oracle.stale.get(key, 0) + 1  # no hook ran
         if step.catch != "any":
             raise
         oracle.check("caught an Interrupt")
@@ -143,7 +146,7 @@ def call(step: Call, x: Any, oracle: Oracle) -> None:
 def checkpointed(step: Checkpointed, x: Any, oracle: Oracle) -> None:
     module = NODES[step.module]
     with oracle.lock:
-        oracle.stale.pop(step.module, None)
+        oracle.stale.pop((threading.get_ident(), step.module), None)
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
         out = checkpoint(module, leaf, use_reentrant=False)
@@ -161,6 +164,8 @@ def on_thread(step: OnThread, x: Any, oracle: Oracle) -> None:
     thread = threading.Thread(target=body)
     thread.start()
     thread.join()
+    with oracle.lock:  # what the thread left behind ended with it
+        oracle.stale = {key: held for key, held in oracle.stale.items() if key[0] != thread.ident}
     oracle.check("after joining the thread")
 
 
@@ -207,7 +212,7 @@ def check_program(program: tuple[Step, ...]) -> None:
     except (Failure, Interrupt):
         oracle.check("caught at the top")
     for index, module in enumerate(NODES):  # one forward of each heals what is left
-        oracle.stale.pop(index, None)
+        oracle.stale.pop((threading.get_ident(), index), None)
         module(x)
     oracle.check("at the end")
     assert not oracle.failures, "\n".join(oracle.failures)

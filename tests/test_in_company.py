@@ -1,0 +1,274 @@
+"""In company the gate is no worse than the pair it replaces: forks, other hooks, pickles, other threads.
+
+Each scenario runs in fresh interpreters beside its control (``BNB_GC_FIX=0``: bitsandbytes' own plain
+pair). The rule: where the control runs, the fixed run runs too, and ends no worse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import AFFECTED, FIX, SCENARIOS, run_code, run_python
+
+PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
+
+# --- fork -----------------------------------------------------------------------------------------
+
+
+def _forks(switch: str | None) -> dict[str, object]:
+    result = run_python([str(SCENARIOS / "forking.py")], switch=switch, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return dict(result.records[-1])
+
+
+@pytest.mark.stack
+def test_a_forked_child_never_blocks_and_holds_only_its_own_threads_holds() -> None:
+    fixed, control = _forks(FIX), _forks("0")
+    children = fixed["children"]
+    assert isinstance(children, list)
+    # The serving thread stopped inside every function of the package its inner call ran, and once
+    # inside the inner forward: a child forked at each stop.
+    assert len(children) > 2 and {"stop": "inside the inner forward", "at_fork": 0, "after": 0} in children
+    for child in children:
+        assert child == {"stop": child["stop"], "at_fork": 0, "after": 0}  # never hung, never inherited
+    # The control's child inherits the serving thread's two holds (outer and inner call) for good.
+    assert control["children"] == [{"stop": "inside the inner forward", "at_fork": 2, "after": 2}]
+    assert fixed["end"] == control["end"] == 0
+
+
+# --- hook order -----------------------------------------------------------------------------------
+
+ORDER = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+from bitsandbytes.nn import parametrize
+import quantized
+seen = []
+def pre(name):
+    return lambda module, args: seen.append((name, P._cache_enabled > 0))
+def post(name):
+    return lambda module, args, output: seen.append((name, P._cache_enabled > 0))
+torch.manual_seed(0)
+module = quantized.Quantized(params=2)
+for when in ("before", "between", "after"):
+    module.register_forward_pre_hook(pre("pre-hook " + when))
+    module.register_forward_hook(post("forward hook " + when))
+    if when == "before":
+        parametrize.replace_parameter_4bit(module, "w0", quant_type="nf4")
+    elif when == "between":
+        parametrize.replace_parameter_4bit(module, "w1", quant_type="nf4")
+module(torch.randn(2, 64))
+print(json.dumps(seen))
+"""
+)
+
+
+def test_other_hooks_run_where_they_ran_relative_to_the_cache_switching() -> None:
+    fixed = json.loads(run_code(ORDER, switch=FIX).stdout.splitlines()[-1])
+    control = json.loads(run_code(ORDER, switch="0").stdout.splitlines()[-1])
+    assert fixed == control
+    assert control == [
+        ["pre-hook before", False],
+        ["pre-hook between", True],
+        ["pre-hook after", True],
+        ["forward hook before", True],
+        ["forward hook between", True],
+        ["forward hook after", False],
+    ]
+
+
+MONITOR = (
+    PRELUDE
+    + """
+import torch
+from torch.nn.utils.parametrizations import weight_norm
+import quantized
+
+class Block(quantized.Quantized):
+    def __init__(self):
+        super().__init__(params=1)
+        self.out = weight_norm(torch.nn.Linear(64, 64))
+
+    def forward(self, x):
+        return self.out(super().forward(x))
+
+torch.manual_seed(0)
+block = Block()
+norms = []
+# A monitoring pre-hook registered before quantizing: reads the weight_norm weight under no_grad.
+block.register_forward_pre_hook(lambda module, args: norms.append(float(torch.no_grad()(lambda: module.out.weight.norm())())))
+quantized.quantize(block)
+original = block.out.parametrizations.weight.original1
+before = original.detach().clone()
+optimizer = torch.optim.SGD(block.out.parameters(), lr=0.1)
+for step in range(2):
+    block(torch.randn(4, 64)).pow(2).mean().backward()
+    optimizer.step(); optimizer.zero_grad()
+print(json.dumps({"trained": not torch.equal(before, original.detach()), "monitored": len(norms)}))
+"""
+)
+
+
+def test_a_monitoring_pre_hook_registered_before_quantizing_leaves_weight_norm_training() -> None:
+    fixed = json.loads(run_code(MONITOR, switch=FIX).stdout.splitlines()[-1])
+    control = json.loads(run_code(MONITOR, switch="0").stdout.splitlines()[-1])
+    assert control == fixed == {"trained": True, "monitored": 2}
+
+
+# --- pickles --------------------------------------------------------------------------------------
+
+SAVE = (
+    PRELUDE
+    + """
+import torch
+import torch.nn.utils.parametrize as P
+import quantized
+module = quantized.make(params=2)
+torch.__future__.set_swap_module_params_on_conversion(True)  # a 4-bit weight becomes a float one
+for name in module.names:  # export float weights: the hooks stay on the module
+    P.remove_parametrizations(module, name, leave_parametrized=True)
+torch.save(module, sys.argv[1])
+"""
+)
+
+# Loading where bnb-gc-fix is not installed: its package cannot be imported at all.
+NOT_INSTALLED = """
+import sys
+class NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "bnb_gc_fix":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, NotInstalled())
+"""
+
+LOAD = (
+    PRELUDE
+    + """
+import torch
+from torch.utils.checkpoint import checkpoint
+import quantized
+module = torch.load(sys.argv[1], weights_only=False)
+head = torch.nn.Linear(64, 64)
+x = torch.randn(8, 64)
+counters = []
+for step in range(3):
+    checkpoint(lambda v: module(head(v).relu()), x, use_reentrant=False).pow(2).mean().backward()
+    counters.append(quantized.counter())
+hooks = sorted({getattr(h, "__module__", "?") for h in module._forward_pre_hooks.values()})
+print(json.dumps({"counters": counters, "hooks": hooks, "fix": "bnb_gc_fix" in sys.modules}))
+"""
+)
+
+
+def _save(path: Path, switch: str | None) -> Path:
+    run_code(SAVE.replace("sys.argv[1]", repr(str(path))), switch=switch)
+    return path
+
+
+def _load(path: Path, switch: str | None, prelude: str = "") -> dict[str, object]:
+    out = run_code(prelude + LOAD.replace("sys.argv[1]", repr(str(path))), switch=switch).stdout
+    return dict(json.loads(out.splitlines()[-1]))
+
+
+def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where_it_is_active(
+    tmp_path: Path,
+) -> None:
+    fixed, control = _save(tmp_path / "fixed.pt", FIX), _save(tmp_path / "control.pt", "0")
+    # Where bnb-gc-fix is not installed, both load, with bitsandbytes' own pair.
+    for path in (fixed, control):
+        loaded = _load(path, "0", prelude=NOT_INSTALLED)
+        assert loaded["fix"] is False and loaded["hooks"] == ["bitsandbytes.nn.parametrize"]
+        leaks = loaded["counters"]
+        assert isinstance(leaks, list)
+        assert leaks[-1] > leaks[0] > 0 if AFFECTED else leaks == [0, 0, 0]
+    # Where the fix is active, a plain pair (either pickle) becomes the gate at its first forward.
+    for path in (fixed, control):
+        loaded = _load(path, FIX)
+        assert loaded["counters"] == [0, 0, 0] and loaded["hooks"] == ["bnb_gc_fix.gate"]
+
+
+COPY = (
+    PRELUDE
+    + """
+import copy, torch
+import quantized, bnb_gc_fix
+module = quantized.make(params=2)
+clone = copy.deepcopy(module)
+x = torch.randn(2, 64)
+seen = [quantized.interrupted_forward(module, x)]  # the original holds one, stuck
+clone(x)
+seen.append(quantized.counter())  # the clone's gate is its own: it leaves the original's hold alone
+quantized.interrupted_forward(clone, x)
+clone(x)
+seen.append(quantized.counter())  # ...and heals its own
+module(x)
+seen.append(quantized.counter())
+print(json.dumps(seen))
+"""
+)
+
+
+def test_a_deep_copy_gets_a_gate_of_its_own() -> None:
+    assert json.loads(run_code(COPY, switch=FIX).stdout.splitlines()[-1]) == [1, 1, 1, 0]
+
+
+# --- other threads ----------------------------------------------------------------------------------
+
+THREADS = (
+    PRELUDE
+    + """
+import threading, torch
+import bnb_gc_fix, quantized
+
+looked = []
+original = sys._current_frames
+sys._current_frames = lambda: looked.append(1) or original()  # reading every thread's stack
+
+class Chunked(quantized.Quantized):
+    def forward(self, x, whole=True, pause=None):
+        if pause is not None:
+            pause()
+        if whole:
+            return torch.cat([self(chunk, whole=False) for chunk in x.chunk(4)])
+        return super().forward(x)
+
+torch.manual_seed(0)
+module = quantized.quantize(Chunked(params=1))
+x = torch.randn(8, 64)
+inside, leave = threading.Event(), threading.Event()
+def held_open():
+    module(x, pause=lambda: (inside.set(), leave.wait()))
+holder = threading.Thread(target=held_open)
+holder.start()
+inside.wait()
+seen = [quantized.counter()]  # the holder's live call
+quantized.interrupted_forward(module, x[:2])  # this thread's call, left by Ctrl-C
+module(x)  # heals this thread's stale hold, keeps the holder's
+seen.append(quantized.counter())
+def serve():
+    for _ in range(20):
+        module(x)
+pool = [threading.Thread(target=serve) for _ in range(4)]
+for thread in pool: thread.start()
+for thread in pool: thread.join()
+seen.append(quantized.counter())
+leave.set()
+holder.join()
+seen.append(quantized.counter())
+print(json.dumps({"counters": seen, "looked": len(looked)}))
+"""
+)
+
+
+@pytest.mark.stack
+def test_threads_never_look_at_each_others_stacks_and_heal_only_their_own() -> None:
+    fixed = json.loads(run_code(THREADS, switch=FIX).stdout.splitlines()[-1])
+    control = json.loads(run_code(THREADS, switch="0").stdout.splitlines()[-1])
+    assert fixed == {"counters": [1, 1, 1, 0], "looked": 0}
+    # The control's pair keeps the interrupted calls' holds (outer and inner chunk) for good.
+    assert control["counters"][0] == 1 and control["counters"][-1] == 2
