@@ -213,6 +213,15 @@ class _WatchingLoader(_LoaderBase):
 
 
 _LOCK = _thread.allocate_lock()
+
+
+def _renew_lock() -> None:
+    global _LOCK
+    _LOCK = _thread.allocate_lock()  # a forked child never waits on a lock a parent thread held
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 _EXECUTING: "set[str]" = set()
 _CALLBACKS: "dict[str, list[Callable[[], None]]]" = {}
 

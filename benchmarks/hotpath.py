@@ -376,7 +376,10 @@ def threads(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
     register_plain = _plain_register()
     assert register_plain is not None
     x = torch.randn(8, 64)
-    models = {"plain pairs (bnb 0.49)": _Experts.model(6, False), "gates (bnb-gc-fix)": _Experts.model(6, True)}
+    models = {
+        "plain pairs (bnb 0.49)": _Experts.model(6, False),
+        "gates (bnb-gc-fix)": _Experts.model(6, True),
+    }
 
     def served(model: Any) -> Timed:
         def timed(n: int) -> int:

@@ -82,6 +82,14 @@ class _State:
 _state = _State()
 
 
+def _renew_lock() -> None:
+    _state.lock = threading.RLock()  # a forked child never waits on a lock a parent thread held
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
+
+
 _OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
 
 

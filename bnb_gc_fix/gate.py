@@ -77,9 +77,9 @@ _RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 _frame = sys._getframe  # CPython's frame access (inspect.currentframe() is this, one frame up)
 _F = TypeVar("_F", bound=Callable[..., Any])
-_compiling: Callable[[], bool] | None = getattr(torch.compiler, "is_compiling", None)
-if _compiling is None:  # torch < 2.3
-    from torch._dynamo import is_compiling as _compiling
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or (
+    lambda: bool(torch._dynamo.is_compiling())  # torch < 2.3
+)
 
 
 def _release(count: int) -> None:
@@ -95,7 +95,7 @@ def _release(count: int) -> None:
 def _eager_only(function: _F) -> _F:
     """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break."""
     try:
-        return cast(_F, torch.compiler.disable(function))
+        return cast(_F, torch.compiler.disable(function))  # type: ignore[no-untyped-call]
     except Exception:  # a torch without a usable compiler: nothing traces it there
         return function
 
@@ -178,7 +178,7 @@ class Gate:
         P._cache_enabled += 1
 
     def _disable_parametrization_cache(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Always-called forward hook: give back one hold, if this module's pre-hook took one on this thread."""
+        """Always-called forward hook: give back one hold, if the pre-hook took one on this thread."""
         holds = self.threads.holds
         held = holds.n
         # _release(1) inlined: a call here would cost time and open a gap for a thread switch.

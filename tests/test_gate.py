@@ -136,7 +136,8 @@ def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
 
 @pytest.mark.stack
 def test_keyboard_interrupt_control_stays_stuck() -> None:
-    after_interrupt, after_next, before_delete, after_delete = json.loads(run_code(INTERRUPT, switch="0").stdout)
+    control = run_code(INTERRUPT, switch="0").stdout
+    after_interrupt, after_next, before_delete, after_delete = json.loads(control)
     assert after_interrupt == 2  # two plain pairs, both pre-hooks ran
     assert after_next == 2
     assert before_delete == after_delete == 4  # two more stuck holds, and nothing gives any back

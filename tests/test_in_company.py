@@ -100,7 +100,10 @@ torch.manual_seed(0)
 block = Block()
 norms = []
 # A monitoring pre-hook registered before quantizing: reads the weight_norm weight under no_grad.
-block.register_forward_pre_hook(lambda module, args: norms.append(float(torch.no_grad()(lambda: module.out.weight.norm())())))
+def monitor(module, args):
+    with torch.no_grad():
+        norms.append(float(module.out.weight.norm()))
+block.register_forward_pre_hook(monitor)
 quantized.quantize(block)
 original = block.out.parametrizations.weight.original1
 before = original.detach().clone()
