@@ -165,7 +165,7 @@ class Gate:
         held = holds.n
         if held:  # a self-call, or a hold left by a BaseException: heal (see _walk)
             if _compiling():
-                _heal_outside_traces(module, holds)
+                _walk(module, holds, None)  # outside the trace: a graph break
             else:
                 try:  # the same holds, and their innermost call still on the stack: all live
                     live = holds.anchor_n == held and _frame(holds.anchor_depth) is holds.anchor
@@ -254,7 +254,8 @@ def _calls_on_this_thread(frame: FrameType | None) -> Iterator[tuple[int, FrameT
         depth += 1
 
 
-def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType) -> None:
+@_eager_only
+def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> None:
     """Give back this thread's holds on ``module`` that no live call of it on this thread owns.
 
     Called by the pre-hook (whose frame is ``start``) when the thread already holds the module: a
@@ -266,6 +267,8 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType) -> None:
     """
     held = holds.n
     holds.forget_anchor()
+    if start is None:  # called where torch.compile traces the pre-hook: depths count from its caller
+        start = _frame(1)
     live = -1  # the innermost call found is the one being entered, which holds nothing yet
     for depth, frame in _calls_on_this_thread(start):
         if frame.f_locals.get("self") is module:
@@ -281,12 +284,6 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType) -> None:
         holds.forget_anchor()
     holds.n = live
     _release(held - live)
-
-
-@_eager_only
-def _heal_outside_traces(module: torch.nn.Module, holds: _Holds) -> None:
-    """Healing where torch.compile traces the pre-hook: the walk runs in a graph break."""
-    _walk(module, holds, sys._getframe())
 
 
 def _is_ours(hook: object) -> bool:

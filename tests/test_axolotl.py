@@ -108,7 +108,7 @@ def test_start_up_hook_fixes_axolotl_with_no_code_change(axolotl: str, bitsandby
         "affected": True,
         "patched": True,
     }
-    assert run.summary["hooks"]["pre_hook_names"] == ["enter"]  # the gate, once per module
+    assert run.summary["hooks"]["pre_hook_owners"] == ["bnb_gc_fix.gate"]  # the gate, once per module
     assert run.summary["hooks"]["always_called"] == 1
 
 
@@ -119,7 +119,7 @@ def test_axolotl_control_leaks_without_the_package(axolotl: str, bitsandbytes: s
     assert _counters(run) == [3, 6, 9, 12]
     assert run.steps[-1]["cache_bytes"] > 0
     assert run.summary["bnb_gc_fix_imported"] is False
-    assert run.summary["hooks"]["pre_hook_names"] == ["_enable_parametrization_cache"]
+    assert run.summary["hooks"]["pre_hook_owners"] == ["axolotl.monkeypatch.moe_quant"]
     assert run.summary["hooks"]["always_called"] == 0
 
 
@@ -163,7 +163,7 @@ def test_fixed_axolotl_is_left_alone(axolotl: str, bitsandbytes: str) -> None:
         "affected": False,
         "patched": False,
     }
-    assert run.summary["hooks"]["pre_hook_names"] == ["_enable_parametrization_cache"]  # axolotl's own
+    assert run.summary["hooks"]["pre_hook_owners"] == ["axolotl.monkeypatch.moe_quant"]  # axolotl's own
 
 
 @BITSANDBYTES
@@ -262,7 +262,7 @@ print(json.dumps(dict(fixed=fixed, again=again, before=before, after=after, coun
 def test_repair_fixes_a_model_quantized_by_axolotl_while_switched_off() -> None:
     facts = _snippet(REPAIR, switch="0")
     assert facts["fixed"] == 3 and facts["again"] == 0  # one experts module per layer
-    assert facts["after"]["pre_hook_names"] == ["enter"]
+    assert facts["after"]["pre_hook_owners"] == ["bnb_gc_fix.gate"]
     assert facts["counters"] == [0, 0, 0]
 
 
@@ -296,7 +296,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
         model = axolotl_moe8bit.build(layers=1)
         patched = [lib.patched for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl"]
         print(json.dumps(dict(failed=failed, waiting=waiting, patched=patched,
-            hooks=axolotl_moe8bit.hook_counts(model)["pre_hook_names"])))
+            hooks=axolotl_moe8bit.hook_counts(model)["pre_hook_owners"])))
         """
     )
     assert "accelerate blocked" in facts["failed"]
@@ -304,4 +304,4 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
         "armed: axolotl.monkeypatch.moe_quant is not imported yet; "
         "the fix checks and patches it the moment it is"
     ]
-    assert facts["patched"] == [True] and facts["hooks"] == ["enter"]
+    assert facts["patched"] == [True] and facts["hooks"] == ["bnb_gc_fix.gate"]

@@ -62,11 +62,11 @@ def build(layers: int = 3, hidden: int = 32, experts: int = 4):  # type: ignore[
 
 
 def hook_counts(model) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """The first experts module's forward pre-hooks (their names: ``enter`` is the gate's) and forward
+    """The first experts module's forward pre-hooks (the modules their code is in) and forward
     hooks, and how many of those are always-called."""
     experts = model[0].experts
     return {
-        "pre_hook_names": [getattr(h, "__name__", "?") for h in experts._forward_pre_hooks.values()],
+        "pre_hook_owners": [getattr(h, "__module__", "?") for h in experts._forward_pre_hooks.values()],
         "pre_hooks": len(experts._forward_pre_hooks),
         "hooks": len(experts._forward_hooks),
         "always_called": len(experts._forward_hooks_always_called),
