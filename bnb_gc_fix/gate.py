@@ -77,7 +77,8 @@ _RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 _frame = sys._getframe  # CPython's frame access (inspect.currentframe() is this, one frame up)
 _F = TypeVar("_F", bound=Callable[..., Any])
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or (
+# True where Dynamo traces the caller (it folds the call to a constant), False elsewhere.
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", None) or (
     lambda: bool(torch._dynamo.is_compiling())  # torch < 2.3
 )
 
