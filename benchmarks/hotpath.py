@@ -330,7 +330,7 @@ class _Experts:
             def __init__(self) -> None:
                 super().__init__()
                 generator = torch.Generator().manual_seed(0)
-                self.weight = torch.nn.Parameter(torch.randn(4, 64, 64, generator=generator) * 0.05)
+                self.weight = torch.nn.Parameter(torch.randn(8, 128, 128, generator=generator) * 0.05)
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
                 return torch.einsum("td,ehd->th", x, self.weight).tanh()
@@ -378,7 +378,7 @@ def threads(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
 
     register_plain = _plain_register()
     assert register_plain is not None
-    x = torch.randn(8, 64)
+    x = torch.randn(32, 128)
     models = {
         "plain pairs (bnb 0.49)": _Experts.model(6, False),
         "gates (bnb-gc-fix)": _Experts.model(6, True),
@@ -393,7 +393,7 @@ def threads(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
                 barrier.wait()
                 with torch.no_grad():
                     for _ in range(n):
-                        model(x)
+                        _under_frames(30, lambda: model(x))  # a server's call depth
 
             pool = [threading.Thread(target=work) for _ in range(threads)]
             for thread in pool:
