@@ -338,7 +338,9 @@ class _Experts:
         model = torch.nn.Sequential(*(Experts() for _ in range(layers)))
         for layer in model:
             bnb_parametrize.replace_parameter_4bit(layer, "weight", quant_type="nf4")
-            assert gate.install(layer) is gated or not gated
+            if gated:
+                assert gate.install(layer)
+            assert (gate.gate_of(layer) is not None) is gated
         return model.requires_grad_(False)
 
     @staticmethod
@@ -363,6 +365,7 @@ class _Experts:
         bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
         if gated:
             assert gate.install(module)
+        assert (gate.gate_of(module) is not None) is gated
         return module.requires_grad_(False)
 
 
