@@ -93,7 +93,7 @@ if hasattr(os, "register_at_fork"):
 _OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
 
 
-def _is_ours(filename: str) -> bool:
+def _is_our_file(filename: str) -> bool:
     """Frames of this package, of the start-up hook, and of wrapt's post-import machinery."""
     wrapt_dir = os.sep + "wrapt" + os.sep
     return filename.startswith(_OURS) or wrapt_dir in filename
@@ -111,7 +111,7 @@ def _warn(message: str, category: type[Warning]) -> None:
         filename = frame.f_code.co_filename
         if not ("importlib" in filename and "_bootstrap" in filename):
             level += 1
-            if not _is_ours(os.path.abspath(filename) if not filename.startswith("<") else filename):
+            if not _is_our_file(os.path.abspath(filename) if not filename.startswith("<") else filename):
                 break
         frame = frame.f_back
     warnings.warn(message, category, stacklevel=level)

@@ -41,11 +41,11 @@ class CheckResult:
 
 def _imports() -> tuple[Any, Any]:
     from bnb_gc_fix.decide import MIN_TORCH, PARAMETRIZE, before_parametrize, no_parametrize, torch_too_old
-    from bnb_gc_fix.installed import try_import
+    from bnb_gc_fix.installed import missing, try_import
 
     torch, problem = try_import("torch")
     if torch is None:
-        if problem and problem.endswith("not installed"):
+        if missing("torch"):
             raise CannotRunError(f"{problem}; install torch (and bitsandbytes>=0.48) to run the check")
         raise CannotRunError(f"{problem}; repair the torch installation to run the check")
 
@@ -56,7 +56,7 @@ def _imports() -> tuple[Any, Any]:
         )
     bitsandbytes, problem = try_import("bitsandbytes")
     if bitsandbytes is None:
-        if problem and problem.endswith("not installed"):
+        if missing("bitsandbytes"):
             raise CannotRunError(f"{problem}; install bitsandbytes>=0.48 to run the check")
         raise CannotRunError(
             f"{problem}; this is a problem of the bitsandbytes installation (its CUDA libraries, "
@@ -89,7 +89,7 @@ def _device(torch: Any, device: str | None) -> str:
     return device
 
 
-def run(device: str | None = None, steps: int = 4, layers: int = 3) -> CheckResult:
+def run(device: str | None = None, steps: int = 4) -> CheckResult:
     """Train the synthetic model for ``steps`` steps and record the cache after each.
 
     Every failure becomes a :class:`CannotRunError`, so the command line's exit status can never
@@ -98,7 +98,7 @@ def run(device: str | None = None, steps: int = 4, layers: int = 3) -> CheckResu
     torch, parametrize = _imports()
     device = _device(torch, device)
     try:
-        return _train(torch, parametrize, device, steps, layers)
+        return _train(torch, parametrize, device, steps)
     except Exception as error:
         raise CannotRunError(
             f"the synthetic model failed on {device} ({type(error).__name__}: {error}); this says "
@@ -106,12 +106,12 @@ def run(device: str | None = None, steps: int = 4, layers: int = 3) -> CheckResu
         ) from error
 
 
-def _train(torch: Any, parametrize: Any, device: str, steps: int, layers: int) -> CheckResult:
+def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult:
     import torch.nn.utils.parametrize as P
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
-    experts, width, hidden = 8, 64, 128
+    layers, experts, width, hidden = 3, 8, 64, 128
 
     class Experts(nn.Module):
         def __init__(self) -> None:

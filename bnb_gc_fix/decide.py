@@ -18,7 +18,6 @@ from packaging.version import InvalidVersion, Version
 from bnb_gc_fix.targets import BITSANDBYTES, Target
 
 FIRST_AFFECTED = Version(BITSANDBYTES.first_affected)
-FIRST_FIXED = Version(BITSANDBYTES.first_fixed)
 MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 
 PARAMETRIZE = BITSANDBYTES.module

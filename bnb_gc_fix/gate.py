@@ -287,7 +287,7 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> No
     _release(held - live)
 
 
-def _is_ours(hook: object) -> bool:
+def _is_gate_hook(hook: object) -> bool:
     return isinstance(getattr(hook, "__self__", None), Gate)
 
 
@@ -303,7 +303,7 @@ def gate_of(module: torch.nn.Module) -> Gate | None:
 def _named(hook: object, name: str) -> bool:
     # bitsandbytes' functions, wrapt wrappers of them (which forward __name__), and look-alike
     # copies in other libraries (axolotl's moe_quant defines functions of the same names).
-    return getattr(hook, "__name__", None) == name and not _is_ours(hook)
+    return getattr(hook, "__name__", None) == name and not _is_gate_hook(hook)
 
 
 def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
@@ -366,7 +366,7 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
         gate = _GATE(getattr(first, "__module__", None) or ORIGIN)
     enter, leave = gate._enable_parametrization_cache, gate._disable_parametrization_cache
     pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
-    ours = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
+    ours = [key for key, hook in pre_hooks.items() if _is_gate_hook(hook)]
     kept = _take_place(pre_hooks, ours + enables, enter, first=True)
     for key in enables + ours:
         module._forward_pre_hooks_with_kwargs.pop(key, None)
@@ -374,7 +374,7 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
     if not isinstance(always, _AlwaysCalled):
         always = module._forward_hooks_always_called = _AlwaysCalled(always.items())
     plain = {key for key in disables if key not in always} | always.plain
-    ours = [key for key, hook in post_hooks.items() if _is_ours(hook)]
+    ours = [key for key, hook in post_hooks.items() if _is_gate_hook(hook)]
     if disables or ours:
         kept = _take_place(post_hooks, ours + disables, leave, first=False)
     else:  # an enable hook alone: the gate still needs its forward hook

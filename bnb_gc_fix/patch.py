@@ -83,27 +83,21 @@ def is_applied(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
     return all(isinstance(getattr(module, name, None), _Wrapper) for name in _wrappers(module, target))
 
 
-def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> bool:
+def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> None:
     """Wrap the target's functions; returns False when they were already wrapped (idempotent).
 
     ``replace_always_called`` (``BNB_GC_FIX=force`` on a fixed release): the gate also replaces
     pairs whose disable hook is already always-called.
     """
-    if is_applied(module, target):
-        return False
     for name, wrapper in _wrappers(module, target, replace_always_called).items():
         current = getattr(module, name)
-        if not isinstance(current, _Wrapper):
+        if not isinstance(current, _Wrapper):  # applying twice wraps once
             setattr(module, name, _Wrapper(current, wrapper))
-    return True
 
 
-def remove(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
-    """Put the library's own functions back; returns False when nothing was wrapped."""
-    removed = False
+def remove(module: ModuleType, target: Target = BITSANDBYTES) -> None:
+    """Put the library's own functions back (only ours are unwrapped)."""
     for name in _wrappers(module, target):
         current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
             setattr(module, name, current.__wrapped__)
-            removed = True
-    return removed

@@ -21,7 +21,6 @@ PATCHED, UNPATCHED, ARMED, NOT_NEEDED, OFF, SKIPPED = (
     "off",
     "skipped",
 )
-STATES = (PATCHED, UNPATCHED, ARMED, NOT_NEEDED, OFF, SKIPPED)
 
 
 @dataclass(frozen=True)

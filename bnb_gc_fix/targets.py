@@ -47,8 +47,9 @@ class Target:
     probe_args: Callable[[], tuple[Any, ...]]
     """Builds the arguments of a probe call of ``register``; the first is the throwaway module."""
     first_affected: str
-    """The first release with the plain pair. With :attr:`first_fixed`, only for the sentences of
-    ``status()``: the probe decides, not the version."""
+    """The first release with the plain pair; with :attr:`first_fixed`, the affected range. Whether to
+    patch an imported module is the probe's decision, never the version's; the range says what status()
+    and ``check`` report before the module is imported, and what its sentences compare the probe with."""
     first_fixed: str
     """The first release whose disable hook is always-called (upstream's fix)."""
     clamp: str | None = None
