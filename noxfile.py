@@ -13,8 +13,10 @@ Everything it makes stays outside the work tree, in ``$BNB_GC_FIX_NOX`` (default
 (``CELL.json``: versions and the outcome of every test, with the properties the tests recorded).
 
 uv reads no pip configuration, so the machine's settings are passed explicitly: a torch ``X+cpu`` comes
-from ``/opt/wheels`` (the only place that has it, so a CPU cell never resolves a CUDA build) and the
-cell's torch pin is a constraint of every install in it. Other torch builds are PyPI's CUDA builds:
+from a local folder of wheels where it is there (``$BNB_GC_FIX_CPU_WHEELS``, default ``/opt/wheels``, as
+on the CI machine), otherwise from PyTorch's CPU package index (:data:`PYTORCH_CPU_INDEX`): never from
+PyPI, which has only CUDA builds for Linux. The cell's torch pin is a constraint of every install in
+it. Other torch builds are PyPI's CUDA builds:
 where ``~/.cache/bnb-gc-fix-stacks/wheels`` already holds them (with their ``nvidia-*`` wheels), torch
 is installed from there alone (``--no-index``), so nothing is downloaded again.
 """
@@ -37,7 +39,8 @@ import tomllib
 ROOT = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("BNB_GC_FIX_NOX") or Path.home() / ".cache" / "bnb-gc-fix-nox")
 RESULTS = CACHE / "results"
-CPU_WHEELS = Path("/opt/wheels")
+CPU_WHEELS = Path(os.environ.get("BNB_GC_FIX_CPU_WHEELS") or "/opt/wheels")
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 CUDA_WHEELS = Path(
     os.environ.get("BNB_GC_FIX_STACKS_CACHE") or Path.home() / ".cache" / "bnb-gc-fix-stacks"
 ) / ("wheels")
@@ -90,6 +93,11 @@ def uv_env(session: nox.Session, cell: dict[str, Any]) -> None:
     constraint.parent.mkdir(parents=True, exist_ok=True)
     constraint.write_text(f"torch=={cell['torch']}\n" if cell["torch"] else "")
     session.env["UV_CONSTRAINT"] = str(constraint)
+    torch = cell["torch"]
+    if torch.endswith("+cpu") and not glob.glob(str(CPU_WHEELS / f"torch-{torch}-*.whl")):
+        # No local CPU wheel: PyTorch's CPU index, which uv asks before the default index (and takes a
+        # package from the first index that has it); the default index for everything it does not hold.
+        session.env["UV_EXTRA_INDEX_URL"] = PYTORCH_CPU_INDEX
     session.env["UV_PYTHON_DOWNLOADS"] = "never"
     # Byte-compile at install, as pip does: the tests start many fresh interpreters, and where
     # PYTHONDONTWRITEBYTECODE is set each would otherwise compile torch and transformers anew.
