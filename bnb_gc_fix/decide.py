@@ -86,13 +86,16 @@ class Verdict:
     """What the probe saw, in a few words."""
     reason: str
     """A human sentence: what was found."""
+    advice: str = ""
+    """What the user can do about it, if anything (a sentence of its own, or empty)."""
 
     @property
     def decision(self) -> str:
-        """The finding and what follows from it, as one sentence."""
+        """The finding and what follows from it, then the advice."""
         if self.patch:
             return f"{self.reason}; patched"
-        return f"{self.reason}; {'nothing patched' if self.unexpected else 'nothing to patch'}"
+        outcome = "nothing patched" if self.unexpected else "nothing to patch"
+        return f"{self.reason}; {outcome}{'. ' + self.advice if self.advice else ''}"
 
 
 def _signature_problem(target: Target, module: ModuleType) -> str | None:
@@ -185,4 +188,11 @@ def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES
     reason = f"{label} {range_text} and the probe found its {seen}"
     if by_version is True:
         reason = f"{label} {range_text}, but the probe found its {seen}, and the probe wins"
-    return Verdict(False, False, False, seen, reason)
+    return Verdict(False, False, False, seen, reason, NOT_NEEDED if target is BITSANDBYTES else "")
+
+
+NOT_NEEDED = (
+    "bnb-gc-fix is not needed with this bitsandbytes, except to release, at the end of a notebook cell, "
+    "the hold a Ctrl-C leaves (BNB_GC_FIX=force adds the gate's Ctrl-C healing everywhere); "
+    "pip uninstall bnb-gc-fix removes it"
+)
