@@ -61,15 +61,20 @@ def test_compiled_programs_heal_like_eager_with_every_backend(backend: str) -> N
         assert fixed["loop"]["counters"] == control["loop"]["counters"] == [0, 0, 0, 0]
 
 
-def test_compiled_model_served_from_two_threads_ends_no_worse_than_the_control() -> None:
-    fixed, control = _fix_and_control("threads", "eager")
-    fixed_run, control_run = fixed["threads"], control["threads"]
-    for run in (fixed_run, control_run):
-        # Only Dynamo's own recompile races may fail a call, in either run; never our code.
+def _without_dynamo_races(switch: str | None) -> dict[str, Any]:
+    """One run of the two-thread trigger that Dynamo's own races spared (they hit the control too),
+    tried up to 3 times; any other error fails at once."""
+    for _ in range(3):
+        run = _summaries("threads", "eager", switch)["threads"]
         assert all(any(race in error for race in DYNAMO_RACES) for error in run["errors"]), run["errors"]
-    assert fixed_run["counters"][-1] <= control_run["counters"][-1]
-    if not fixed_run["errors"]:
-        assert fixed_run["counters"] == [0] * len(fixed_run["counters"])
-        assert fixed_run["cache_entries"] == 0
-    if not fixed_run["errors"] and not control_run["errors"]:
-        assert fixed_run["outputs"] == control_run["outputs"]
+        if not run["errors"]:
+            return run
+    pytest.fail(f"Dynamo's own recompile races hit 3 runs in a row (BNB_GC_FIX={switch!r})")
+
+
+def test_compiled_model_served_from_two_threads_ends_no_worse_than_the_control() -> None:
+    fixed, control = _without_dynamo_races(FIX), _without_dynamo_races("0")
+    assert fixed["counters"] == [0] * len(fixed["counters"])
+    assert fixed["cache_entries"] == 0
+    assert fixed["outputs"] == control["outputs"]
+    assert control["counters"][-1] >= fixed["counters"][-1]
