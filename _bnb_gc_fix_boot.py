@@ -89,6 +89,12 @@ def mode() -> str:
     return parse(os.environ.get(VARIABLE))[0]
 
 
+def forces(mode: str) -> bool:
+    """What ``force`` means, in one place: gate also where the pair is already right (upstream's
+    always-called pair, bitsandbytes 0.50), for the gate's Ctrl-C healing."""
+    return mode == FORCE
+
+
 class BitsandbytesWatcher:
     """A meta-path finder that activates bnb-gc-fix just before bitsandbytes' code first runs.
 

@@ -62,7 +62,7 @@ def repair(model: torch.nn.Module) -> int:
     import _bnb_gc_fix_boot as boot
     from bnb_gc_fix import gate
 
-    force = boot.mode() == boot.FORCE
+    force = boot.forces(boot.mode())
     return sum(gate.install(module, replace_always_called=force) for module in model.modules())
 
 

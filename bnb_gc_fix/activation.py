@@ -149,7 +149,7 @@ def _apply(library: _Library, module: ModuleType, mode: str, late: bool = False)
 
     library.pending = False
     library.failed = False
-    verdict = decide.judge(module, force=mode == boot.FORCE, target=library.target)
+    verdict = decide.judge(module, force=boot.forces(mode), target=library.target)
     library.verdict = verdict
     if verdict.unexpected:
         _skip(library, verdict.decision)
@@ -160,7 +160,7 @@ def _apply(library: _Library, module: ModuleType, mode: str, late: bool = False)
         log = logger.info if mode == boot.ON else logger.debug
         log("nothing needed patching: %s", verdict.reason)
         return
-    patch.apply(module, library.target, replace_always_called=verdict.affected is False)
+    patch.apply(module, library.target, replace_always_called=boot.forces(mode))
     library.patched = True
     library.reason = verdict.decision
     if late:
@@ -350,7 +350,7 @@ def _verdict(library: _Library) -> decide.Verdict | None:
         return None
     if library.seen is None or library.seen_module != id(module):
         try:
-            library.seen = decide.judge(module, force=boot.mode() == boot.FORCE, target=library.target)
+            library.seen = decide.judge(module, force=boot.forces(boot.mode()), target=library.target)
         except Exception:  # status() never raises
             return None
         library.seen_module = id(module)

@@ -134,6 +134,15 @@ _HOLDS: weakref.WeakSet[_Holds] = weakref.WeakSet()
 """Every thread's holds on every gate (for reset() and the safety nets' release)."""
 
 
+def _every_holds() -> list[_Holds]:
+    """A snapshot of :data:`_HOLDS`: another thread's first forward of a gate may add to it meanwhile."""
+    while True:
+        try:
+            return list(_HOLDS)
+        except RuntimeError:  # "Set changed size during iteration": take it again
+            continue
+
+
 class _PerThread(threading.local):
     holds: _Holds
 
@@ -185,8 +194,9 @@ class Gate:
         # _release(1) inlined: a call here would cost time and open a gap for a thread switch.
         if held:
             holds.n = held - 1
-            if held <= holds.anchor_n:  # the anchored call has ended: let its frame go
-                holds.forget_anchor()
+            if held <= holds.anchor_n:  # the anchored call has ended: let its frame go (no call here,
+                holds.anchor = None  # so no Ctrl-C can land between the count and the counter)
+                holds.anchor_n = 0
             remaining = P._cache_enabled - 1
             if remaining > 0:
                 P._cache_enabled = remaining
@@ -219,7 +229,7 @@ def _after_fork_in_child() -> None:
     _LOCK = threading.RLock()  # never wait on a lock one of the parent's threads held
     try:
         me = threading.get_ident()
-        for holds in list(_HOLDS):
+        for holds in _every_holds():
             if holds.thread != me:
                 held, holds.n = holds.n, 0
                 holds.forget_anchor()
@@ -458,7 +468,7 @@ def release_left_behind(added: int) -> int:
             live[gate] = live.get(gate, 0) + 1
     me = threading.get_ident()
     released = 0
-    everyone = list(_HOLDS)
+    everyone = _every_holds()
     for holds in everyone:
         gate = holds.gate()
         stale = holds.n - (live.get(gate, 0) if gate is not None else 0)
@@ -479,7 +489,7 @@ def release_left_behind(added: int) -> int:
 def reset() -> int:
     """Switch the cache off and empty it; forget every gate's holds. Returns the holds released."""
     released = max(int(P._cache_enabled), 0)
-    for holds in list(_HOLDS):
+    for holds in _every_holds():
         holds.n = 0
         holds.forget_anchor()
     _release(released)
