@@ -290,9 +290,7 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> No
                 holds.anchor_n = held
                 return
     live = max(live, 0)
-    holds.anchor_n = live
-    if not live:
-        holds.forget_anchor()
+    holds.anchor_n = live  # the anchor, if one was found, is the innermost of these live holds
     holds.n = live
     _release(held - live)
 
