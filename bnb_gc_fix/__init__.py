@@ -1,4 +1,4 @@
-"""bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking.
+"""bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking under gradient checkpointing.
 
 Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public
 API is small: :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`,
@@ -11,8 +11,9 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
+from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
-from bnb_gc_fix.activation import activate, deactivate, status
+from bnb_gc_fix.activation import deactivate
 from bnb_gc_fix.errors import (
     BnbGcFixWarning,
     CacheLeakError,
@@ -21,7 +22,7 @@ from bnb_gc_fix.errors import (
     SwitchValueWarning,
 )
 from bnb_gc_fix.guard import guard
-from bnb_gc_fix.report import LibraryStatus, Status
+from bnb_gc_fix.status import LibraryStatus, Status, status  # `status` is the function, not the module
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,14 @@ __all__ = [
 logging.getLogger("bnb_gc_fix").addHandler(logging.NullHandler())
 
 
+def activate() -> Status:
+    """Turn the fix on as ``BNB_GC_FIX`` says now (it is read once per activation): patch each known
+    library now if imported, else the moment it is. Idempotent; never raises (a problem becomes a
+    warning and ``status().reason``). Returns :func:`status`."""
+    _activation.activate()
+    return status()
+
+
 def repair(model: torch.nn.Module) -> int:
     """Replace every plain cache-gate pair in ``model`` with one gate per module.
 
@@ -56,13 +65,13 @@ def repair(model: torch.nn.Module) -> int:
     alone and not counted, so 0 on such a model means there was nothing to fix. It does not
     release a counter that is already stuck: call :func:`reset` for that.
 
-    With ``BNB_GC_FIX=force`` it replaces those right pairs too (the gate adds Ctrl-C healing),
-    as the patch does.
+    Where the last activation read ``BNB_GC_FIX=force`` it replaces those right pairs too (the gate adds
+    Ctrl-C healing), as the patch does.
     """
     import _bnb_gc_fix_boot as boot
     from bnb_gc_fix import gate
 
-    force = boot.forces(boot.mode())
+    force = boot.forces(_activation.process.mode)
     return sum(gate.install(module, replace_always_called=force) for module in model.modules())
 
 
@@ -79,6 +88,4 @@ def reset() -> int:
     return gate.reset()
 
 
-from bnb_gc_fix.activation import activate_on_import as _activate_on_import  # noqa: E402
-
-_activate_on_import()
+_activation.activate(via="import")  # importing the package turns the fix on

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from bnb_gc_fix import __version__
-from bnb_gc_fix.activation import status as fix_status
 from bnb_gc_fix.installed import distribution_version, import_installed
-from bnb_gc_fix.report import Status
+from bnb_gc_fix.status import Status
+from bnb_gc_fix.status import status as fix_status
 
 
 def _facts() -> tuple[dict[str, Any], Status]:

@@ -373,9 +373,9 @@ print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, 
     [
         ("pass", "patched"),
         ("bnb_gc_fix.deactivate()", "deactivated by deactivate()"),
-        ("os.environ['BNB_GC_FIX'] = 'off'", "disabled by the environment"),
+        ("os.environ['BNB_GC_FIX'] = 'off'; bnb_gc_fix.activate()", "disabled by the environment"),
     ],
-    ids=["control-stays-pending", "deactivate", "switched-off"],
+    ids=["control-stays-pending", "deactivate", "switched-off-and-read"],
 )
 def test_a_pending_patch_can_be_cancelled(cancel: str, reason: str) -> None:
     pending, wrapped, active, still_pending, said = json.loads(
@@ -384,3 +384,20 @@ def test_a_pending_patch_can_be_cancelled(cancel: str, reason: str) -> None:
     assert pending is True and still_pending is False
     assert (wrapped, active) == ((True, True) if cancel == "pass" else (False, False))
     assert reason in said
+
+
+def test_the_switch_is_read_once_per_activation_and_status_says_when_it_changed_since() -> None:
+    # Set after activation, BNB_GC_FIX=off changes nothing until the next activate(); status() reports
+    # the value the activation read, and the value now. Every path (the pending patch, repair(), status)
+    # answers as that one reading.
+    code = PENDING.replace(
+        "CANCEL",
+        "os.environ['BNB_GC_FIX'] = 'off'\n"
+        "s = bnb_gc_fix.status()\n"
+        "said = 'takes effect at the next activate()' in str(s)\n"
+        "print(json.dumps([s.mode, s.switch, s.switch_now, s.switch_changed, said]))",
+    )
+    out = run_code(code).stdout.splitlines()
+    assert json.loads(out[-2]) == ["auto", None, "off", True, True]
+    pending, wrapped, active, still_pending, _ = json.loads(out[-1])
+    assert (pending, wrapped, active, still_pending) == (True, True, True, False)

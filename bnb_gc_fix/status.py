@@ -1,0 +1,292 @@
+"""``bnb_gc_fix.status()``: where the fix stands in this process right now, from one place.
+
+:func:`status` reads each library's state (:mod:`bnb_gc_fix.activation`), what its module shows right
+now, and torch's cache; it never imports anything and never raises. A :class:`LibraryStatus` holds
+everything about one library, :class:`Status` the libraries and the process; the overall state, the
+JSON of ``bnb-gc-fix status --json`` and its text are computed from them, so no two can disagree.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import _bnb_gc_fix_boot as boot
+from bnb_gc_fix import activation, decide, installed, notebook
+from bnb_gc_fix.activation import Library, State
+from bnb_gc_fix.targets import BITSANDBYTES
+
+PATCHED, UNPATCHED, ARMED, NOT_NEEDED, OFF, SKIPPED = (state.value for state in State)
+
+
+@dataclass(frozen=True)
+class LibraryStatus:
+    """Everything about one library this package patches (see :mod:`bnb_gc_fix.targets`)."""
+
+    name: str
+    """The library: "bitsandbytes", "axolotl"."""
+    module: str
+    """The module whose functions are wrapped: "bitsandbytes.nn.parametrize"."""
+    version: str | None
+    """Its ``__version__``, or None while it is not imported."""
+    state: str
+    """One word, from what its module shows right now (:class:`bnb_gc_fix.activation.State`): "patched",
+    "unpatched" (it was patched, then reloaded: its own functions are back), "armed", "not needed",
+    "off" or "skipped"."""
+    affected: bool | None
+    """Its code registers the leaking plain pair (None: not known, its module is not imported)."""
+    probe: str | None
+    """What the probe of its code saw, in a few words (None: not probed)."""
+    reason: str
+    """A human sentence: why it is, or is not, patched."""
+
+    @property
+    def patched(self) -> bool:
+        return self.state == PATCHED
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "patched": self.patched}
+
+
+@dataclass(frozen=True)
+class Status:
+    """Where the fix stands in this process: the libraries, and torch's cache."""
+
+    libraries: tuple[LibraryStatus, ...]
+    """bitsandbytes always (first), then every other library that is imported or was decided on."""
+    torch: str | None
+    """``torch.__version__``, or None if torch is not imported."""
+    counter: int | None
+    """torch's parametrization-cache counter (above 0 after a step is the leak); None while torch's
+    parametrize module is not imported."""
+    cache_bytes: int | None
+    """Bytes of tensors held by torch's parametrization cache; None like ``counter``."""
+    mode: str
+    """The mode the last activation read from ``BNB_GC_FIX``: auto, on, off or force."""
+    switch: str | None
+    """``BNB_GC_FIX`` as the last activation read it (None: unset)."""
+    switch_now: str | None
+    """``BNB_GC_FIX`` now; where it differs from :attr:`switch`, it takes effect at the next activate()."""
+    via: str | None
+    """How the fix was turned on: "start-up hook" or "runner" when that hook saw bitsandbytes' import,
+    "import" otherwise, "activate()" after a deactivate(); None while nothing is patched or armed."""
+    startup_hook: str
+    """The start-up hook or runner in this process: "installed", "switched off" or "not installed"."""
+    cell_end_release: bool
+    """In IPython/Jupyter: a cell that ends with an exception releases a cache it left switched on."""
+    gil: bool = True
+    """False on a free-threaded Python running without the GIL (an untested path; :attr:`reason` says so)."""
+    import_errors: Mapping[str, str] = field(default_factory=dict)
+    """Imports that failed when ``bnb-gc-fix status`` or ``check`` tried them: module -> what went wrong."""
+
+    @property
+    def bitsandbytes(self) -> LibraryStatus:
+        return self.libraries[0]
+
+    def library(self, name: str) -> LibraryStatus | None:
+        """The record of the library ``name`` ("axolotl"), or None if it is not listed."""
+        return next((library for library in self.libraries if library.name == name), None)
+
+    @property
+    def deciding(self) -> LibraryStatus:
+        """The library :attr:`state` comes from: one unpatched since, else one patched, else bitsandbytes."""
+        for wanted in (UNPATCHED, PATCHED):
+            for library in self.libraries:
+                if library.state == wanted:
+                    return library
+        return self.bitsandbytes
+
+    @property
+    def state(self) -> str:
+        return self.deciding.state
+
+    @property
+    def active(self) -> bool:
+        """Some library is patched right now."""
+        return self.state == PATCHED
+
+    @property
+    def switch_changed(self) -> bool:
+        return self.switch_now != self.switch
+
+    @property
+    def reason(self) -> str:
+        return self.deciding.reason if self.gil else f"{self.deciding.reason}. {UNTESTED_FREE_THREADING}"
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything, as ``bnb-gc-fix status --json`` prints it (JSON-ready)."""
+        facts: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)}
+        facts.update(
+            libraries=[library.as_dict() for library in self.libraries],
+            import_errors=dict(self.import_errors),
+            state=self.state,
+            active=self.active,
+            reason=self.reason,
+            switch_changed=self.switch_changed,
+        )
+        return facts
+
+    def lines(self) -> list[str]:
+        """The text of ``bnb-gc-fix status`` (and of ``print(status())``), a fact a line."""
+        state = self.state
+        if self.via and state in (PATCHED, ARMED):
+            state += f", turned on by {_VIA.get(self.via, self.via)}"
+        if len(self.libraries) > 1:
+            state += f" (from {self.deciding.name})"
+        lines = [f"state:            {state}"]
+        if not self.gil:
+            lines.append(f"  {UNTESTED_FREE_THREADING}")
+        switch = f"{'unset' if self.switch is None else repr(self.switch)} (mode {self.mode})"
+        if self.switch_changed:
+            now = "unset" if self.switch_now is None else repr(self.switch_now)
+            switch += f"; now {now}, which takes effect at the next activate()"
+        lines += [
+            f"cache counter:    {_number(self.counter)}",
+            f"cache bytes:      {_number(self.cache_bytes)}",
+            f"BNB_GC_FIX:       {switch}",
+            f"start-up hook:    {self.startup_hook}",
+            f"cell-end release: {'installed' if self.cell_end_release else _NO_RELEASE}",
+            f"torch:            {self.torch or _missing('torch', self.import_errors)}",
+        ]
+        for library in self.libraries:
+            version = library.version or _missing(library.name, self.import_errors)
+            lines.append(f"{library.name} {version}: {library.state}")
+            affected = {True: "yes", False: "no", None: "not known"}[library.affected]
+            if library.probe:
+                affected += f" (the probe found: {library.probe})"
+            lines += [f"  affected:       {affected}", f"  why:            {library.reason}"]
+        listed = {library.name for library in self.libraries} | {"torch"}  # named in their own lines
+        for name, problem in self.import_errors.items():
+            if name.split(".")[0] not in listed:
+                lines.append(f"{name.split('.')[0]}: {problem}")
+        return lines
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+UNTESTED_FREE_THREADING = (
+    "Caution: this Python runs without the GIL (a free-threaded build); the fix then gates with "
+    "a lock, a path never tested on such a build"
+)
+
+_NO_RELEASE = "not installed (IPython/Jupyter only)"
+_VIA = {"start-up hook": "the start-up hook", "runner": "bnb-gc-fix run", "import": "import bnb_gc_fix"}
+
+
+def _number(value: int | None) -> str:
+    return "- (torch's parametrization module is not imported)" if value is None else str(value)
+
+
+def _missing(name: str, errors: Mapping[str, str]) -> str:
+    """What a version-less library is: not installed, failing to import (see why), or not imported."""
+    if any(key.split(".")[0] == name for key in errors):
+        return "(not installed)" if installed.missing(name) else "(fails to import: see why)"
+    return "(not imported)"
+
+
+def gil_enabled() -> bool:
+    """False on a free-threaded build running without the GIL."""
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
+def _state(library: Library, version: str | None) -> tuple[State, str]:
+    """One library's state and sentence, from what its module shows right now."""
+    state = library.state
+    if state is State.PATCHED and not library.applied():
+        return State.UNPATCHED, (
+            f"{library.target.module} was reloaded or imported again after it was patched, so its own "
+            "functions are back and nothing is patched now; bnb_gc_fix.activate() patches it again"
+        )
+    if state is State.ARMED and library.target is BITSANDBYTES:
+        if version is not None and decide.before_parametrize(version):  # it will never import parametrize
+            return State.NOT_NEEDED, f"{decide.no_parametrize(version)}; nothing to patch"
+        return state, _armed_reason(version) or library.reason
+    return state, library.reason
+
+
+def _armed_reason(bnb: str | None) -> str | None:
+    """A truer sentence than "armed" when what the patch waits for failed to import, or is not installed."""
+    failed = installed.failures()
+    for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):
+        if name in failed and name not in sys.modules:
+            return f"{failed[name]}; nothing to patch"
+    if bnb is not None or "bitsandbytes" in sys.modules:
+        return None
+    from importlib.machinery import PathFinder
+
+    if PathFinder.find_spec("bitsandbytes") is None:
+        return (
+            "armed: bitsandbytes is not installed, so there is nothing to patch now; the fix "
+            "checks and patches it if it is imported later"
+        )
+    return None
+
+
+def _library(library: Library) -> LibraryStatus:
+    version = library.target.version()
+    verdict = library.verdict(activation.process.mode)
+    state, reason = _state(library, version)
+    return LibraryStatus(
+        name=library.target.name,
+        module=library.target.module,
+        version=version,
+        state=state.value,
+        affected=None if verdict is None else verdict.affected,
+        probe=None if verdict is None else verdict.probe,
+        reason=reason,
+    )
+
+
+def _cache_now() -> tuple[int | None, int | None]:
+    """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
+    if "torch.nn.utils.parametrize" not in sys.modules:
+        return None, None
+    try:
+        from bnb_gc_fix import gate
+
+        return gate.counter(), gate.cached_bytes()
+    except Exception:  # status() never raises
+        return None, None
+
+
+def _via() -> str | None:
+    """An import is credited to the start-up hook or the runner only if its finder fired (another import
+    hook in front of it can hide bitsandbytes' import from it)."""
+    if not activation.on():
+        return None
+    via = activation.process.via
+    return boot.trigger if via == "import" and boot.trigger else via
+
+
+def _startup_hook() -> str:
+    if boot.installed_watcher() is not None or boot.trigger is not None:
+        return "installed"
+    return "switched off" if boot.started_by is not None else "not installed"
+
+
+def status() -> Status:
+    """Where the fix stands in this process right now (never imports anything, never raises)."""
+    process = activation.process
+    counter, cache_bytes = _cache_now()
+    return Status(
+        libraries=tuple(
+            _library(library)
+            for library in process.libraries.values()
+            if library.target is BITSANDBYTES or library.decided or library.target.imported()
+        ),
+        torch=decide.torch_version(),
+        counter=counter,
+        cache_bytes=cache_bytes,
+        mode=process.mode,
+        switch=process.switch,
+        switch_now=os.environ.get(boot.VARIABLE),
+        via=_via(),
+        startup_hook=_startup_hook(),
+        cell_end_release=notebook.installed(),
+        gil=gil_enabled(),
+        import_errors=installed.failures(),
+    )
