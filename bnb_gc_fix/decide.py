@@ -1,9 +1,7 @@
-"""Deciding whether to act: versions read from imported modules, and a probe of the real code.
+"""Deciding whether to act: a probe of the real code, with versions read from imported modules.
 
-Nothing here imports torch or bitsandbytes ahead of the user: versions come from modules that
-are already in ``sys.modules``, and the probe runs only on a target module (``bitsandbytes.nn.
-parametrize``, axolotl's ``moe_quant``; see :mod:`bnb_gc_fix.targets`) that the user's program
-has imported.
+Nothing here imports torch or bitsandbytes ahead of the user: versions come from ``sys.modules``, and
+the probe runs only on a target module (:mod:`bnb_gc_fix.targets`) the user's program has imported.
 """
 
 from __future__ import annotations
@@ -23,15 +21,10 @@ MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 PARAMETRIZE = BITSANDBYTES.module
 
 
-def _version_of(name: str) -> str | None:
-    module = sys.modules.get(name)
-    version = getattr(module, "__version__", None)
-    return None if version is None else str(version)
-
-
 def torch_version() -> str | None:
     """``torch.__version__`` if torch is imported, else ``None``."""
-    return _version_of("torch")
+    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return None if version is None else str(version)
 
 
 def _parse(version: str | None) -> Version | None:
@@ -76,18 +69,12 @@ def no_parametrize(version: str) -> str:
 class Verdict:
     """What the decision found for one imported target module."""
 
-    patch: bool
-    """Whether to wrap bitsandbytes' functions."""
-    unexpected: bool
-    """The internals do not look as expected: nothing may be patched, and the user is warned."""
-    affected: bool | None
-    """The installed code registers the plain (leaking) pair; None when it could not be told."""
-    probe: str
-    """What the probe saw, in a few words."""
-    reason: str
-    """A human sentence: what was found."""
-    advice: str = ""
-    """What the user can do about it, if anything (a sentence of its own, or empty)."""
+    patch: bool  # wrap its functions
+    unexpected: bool  # its internals do not look as expected: nothing may be patched; the user is warned
+    affected: bool | None  # its code registers the plain (leaking) pair; None: could not be told
+    probe: str  # what the probe saw, in a few words
+    reason: str  # a human sentence: what was found
+    advice: str = ""  # what the user can do about it, a sentence of its own (or empty)
 
     @property
     def decision(self) -> str:
