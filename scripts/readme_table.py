@@ -1,45 +1,51 @@
-"""Render the README's generated parts and docs/matrix.json from the test matrix's results.
+"""Generate, and check, what the documentation shows as measured: the compatibility matrix and
+every console transcript.
 
-The table between ``<!-- version-table:start -->`` and ``<!-- version-table:end -->`` in
-README.md is generated from the matrix's results, never typed by hand: each nox cell (cells.toml,
-noxfile.py) writes ``CELL.json`` (its versions and every test's outcome and recorded properties) into
-``$BNB_GC_FIX_NOX/results`` (default ``~/.cache/bnb-gc-fix-nox/results``); this script gathers the
-cells of cells.toml from there into ``docs/matrix.json`` and renders the table from it. So is every
-``console`` block between ``<!-- NAME-output:start -->`` and ``<!-- NAME-output:end -->``: each line that
-starts with ``$ `` is a command, run in one bash shell per block from the repository root (so
-``echo $?`` reads the command before it), and what it prints follows it.
+* **The matrix** (docs/matrix.md, between ``<!-- version-table:start -->`` and
+  ``<!-- version-table:end -->``) is never typed by hand: each nox cell (cells.toml, noxfile.py) writes
+  ``CELL.json`` (its versions and every test's outcome and recorded properties) into
+  ``$BNB_GC_FIX_NOX/results`` (default ``~/.cache/bnb-gc-fix-nox/results``); this script gathers the
+  cells of cells.toml from there into docs/matrix.json and renders the table from it. Without results
+  (a machine that ran no cell) it renders from the committed docs/matrix.json.
+* **Console transcripts**: every ``console`` block of README.md and docs/*.md lies between
+  ``<!-- NAME-output:start -->`` and ``<!-- NAME-output:end -->``. Each line that starts with ``$ `` is a
+  command, run in one bash shell per block from the repository root (so ``echo $?`` reads the command
+  before it), with this interpreter's folder first on PATH (its ``python`` and ``bnb-gc-fix``) and
+  ``BNB_GC_FIX`` unset; what it prints follows it. The environment they were made in (Python, torch,
+  bitsandbytes, transformers) is recorded in docs/console-environment.json. pytest's closing line is
+  compared without its duration.
+* **The Quick start**: the ``bash`` blocks between ``<!-- quick-start:start -->`` and
+  ``<!-- quick-start:end -->`` in README.md must be the very lines ``.ci/run`` runs between its
+  ``# README.md, Quick start`` and ``# end of the README's commands`` markers.
 
     nox                                      # runs the cells, writes their results
-    python scripts/readme_table.py           # writes docs/matrix.json, rewrites the README's parts
-    python scripts/readme_table.py --check   # CI: fail if either differs
+    python scripts/readme_table.py           # regenerates all of it (the one command after a change)
+    python scripts/readme_table.py --check   # CI: fail if anything differs
 
-Only facts the matrix re-proves on every run go in the table (versions, counters, what the
-package did, verdicts), so the same code gives the same table on every machine. The console
-blocks show this machine's real output (versions included), so ``--check`` also fails when the
-command line's output changes without the README. Without results (a fresh machine that ran no
-cell), ``--check`` renders the table from the committed ``docs/matrix.json``.
-
-The README's Quick start commands (``bash`` blocks between ``<!-- quick-start:start -->`` and
-``<!-- quick-start:end -->``) must be the very lines ``.ci/run`` runs between its
-``# README.md, Quick start`` and ``# end of the README's commands`` markers; ``--check`` and the
-test suite compare them.
+tests/test_readme.py runs the same comparisons (each console block in a test of its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MATRIX = ROOT / "docs" / "matrix.json"
+DOCS = ROOT / "docs"
+MATRIX = DOCS / "matrix.json"
+MATRIX_PAGE = DOCS / "matrix.md"
+CONSOLE_ENVIRONMENT = DOCS / "console-environment.json"
 CELLS = ROOT / "cells.toml"
 RESULTS = Path(os.environ.get("BNB_GC_FIX_NOX") or Path.home() / ".cache" / "bnb-gc-fix-nox") / "results"
 START, END = "<!-- version-table:start -->", "<!-- version-table:end -->"
@@ -50,8 +56,17 @@ _CONSOLE = re.compile(r"<!-- (?P<name>[a-z-]+-output):start -->(?P<body>.*?)<!--
 _FENCE = re.compile(r"```console\n(?P<content>.*?)```", re.S)
 # Lines torch and bitsandbytes print on their own on a CPU-only machine; never ours.
 _FOREIGN = ("Failed to load CPU gemm_4bit_forward from kernels-community", "_check_is_size")
+# pytest's closing line carries the run's duration (and its padding with it): compared without.
+_PYTEST_LAST = re.compile(
+    r"^(?:=+ )?(?P<summary>(?:\d+ \w+|no tests ran).*?) in [0-9.]+s(?: \([0-9:]+\))?(?: =+)?$", re.M
+)
 FIX_TEST = "test_with_the_fix_the_counter_is_zero_after_every_step"
 CONTROL_TEST = "test_control_leaks_only_on_an_affected_release"
+
+
+def documents() -> list[Path]:
+    """The files whose console blocks are generated: README.md, then docs/*.md."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 def cell_names() -> list[str]:
@@ -167,33 +182,28 @@ def _install_row(cell: dict[str, Any]) -> str:
     return "| " + " | ".join([*row, _verdict(cell)]) + " |"
 
 
-INTRO = """
-Generated from the test matrix (`nox`, one cell a line of `cells.toml`, re-run by CI on every change):
-each row is a cell, its own venv with these versions, running pytest on the same tests, whose
-expectations come from the installed versions. bitsandbytes rows (`pytest -m matrix`,
-`tests/test_versions.py`): the counter is torch's parametrization-cache counter after each of 3
-checkpointed training steps; above 0 is the leak. Stack rows (PyPI's CUDA builds of torch, run on the
-CPU) run the core tests (`pytest -m stack`: leak and control, Ctrl-C, threads, torchrun, Trainer,
-`check`, `status`); counters from its 5-step leak test (tiny OLMoE; on transformers 4.x a tiny Llama,
-the shape that leaks there). The Python 3.13 cell with bitsandbytes 0.49.2 also runs the axolotl tests
-(0.17.0-0.21.0); the one skip in each stack cell is the notebook tests, which need ipykernel (not
-installed in the cells). The last rows install the built wheel, not the checkout.
-"""
+def _generic_row(cell: dict[str, Any]) -> str:
+    """A cell of a kind this script does not know yet: its versions and its verdict."""
+    python, torch, bnb, transformers = _versions(cell)
+    does = f"`pytest -m {cell['cell']['marker']}`"
+    return f"| {python} | {torch} | {bnb} | {transformers} | - | {does} | - | {_verdict(cell)} |"
 
 
 def render(matrix: dict[str, Any]) -> str:
+    """The table between the markers of docs/matrix.md, from docs/matrix.json's content."""
     rows = []
     for cell in matrix["cells"]:
         marker = cell["cell"]["marker"]
-        rows += (
-            _matrix_rows(cell)
-            if marker == "matrix"
-            else [_stack_row(cell) if marker == "stack" else _install_row(cell)]
-        )
+        if marker == "matrix":
+            rows += _matrix_rows(cell)
+        elif marker == "stack":
+            rows.append(_stack_row(cell))
+        elif marker in ("wheel", "bare"):
+            rows.append(_install_row(cell))
+        else:
+            rows.append(_generic_row(cell))
     lines = [
         START,
-        " ".join(INTRO.split()),
-        "",
         "| Python | torch | bitsandbytes | transformers | leaks without the fix? | bnb-gc-fix "
         "| with bnb-gc-fix | verdict |",
         "|---|---|---|---|---|---|---|---|",
@@ -236,11 +246,42 @@ def console_blocks(text: str) -> dict[str, list[str]]:
     return blocks
 
 
+def ungenerated_console_fences(text: str) -> int:
+    """How many ``console`` fences of ``text`` lie outside every generated block (should be none)."""
+    return len(_FENCE.findall(_CONSOLE.sub("", text)))
+
+
+def environment() -> dict[str, str | None]:
+    """What the console output depends on besides the package: the interpreter and the stack."""
+
+    def version(distribution: str) -> str | None:
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            return None
+
+    stack = {name: version(name) for name in ("torch", "bitsandbytes", "transformers")}
+    return {"python": platform.python_version(), **stack}
+
+
+def recorded_environment() -> dict[str, str | None] | None:
+    """The environment the committed console blocks were generated in (None: not recorded)."""
+    if not CONSOLE_ENVIRONMENT.exists():
+        return None
+    recorded: dict[str, str | None] = json.loads(CONSOLE_ENVIRONMENT.read_text())
+    return recorded
+
+
 def _run_commands(commands: list[str]) -> str:
     """Run the commands in one bash shell; return the transcript as a console block shows it."""
     marker = "@@bnb-gc-fix-readme@@"
     script = "".join(f'__rc=$?; echo "{marker}{i}"; (exit $__rc); {c}\n' for i, c in enumerate(commands))
-    env = {k: v for k, v in os.environ.items() if k not in ("BNB_GC_FIX", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("BNB_GC_FIX", "PYTHONPATH") and not k.startswith("PYTEST_")
+    }
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     completed = subprocess.run(
         ["bash", "-c", script + f'echo "{marker}end"'],
         cwd=ROOT,
@@ -258,61 +299,100 @@ def _run_commands(commands: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_console(text: str) -> str:
-    """``text`` with every generated console block's output produced afresh."""
+def render_console(text: str, only: str | None = None) -> str:
+    """``text`` with every generated console block's output (or only block ``only``'s) produced afresh."""
 
     def fence(match: re.Match[str]) -> str:
         commands = [line[2:] for line in match["content"].splitlines() if line.startswith("$ ")]
         return f"```console\n{_run_commands(commands)}```"
 
     def block(match: re.Match[str]) -> str:
+        if only is not None and match["name"] != only:
+            return match.group(0)
         return match.group(0).replace(match["body"], _FENCE.sub(fence, match["body"]))
 
     return _CONSOLE.sub(block, text)
+
+
+def comparable(block: str) -> str:
+    """A console block as compared: pytest's closing line without its duration."""
+    return _PYTEST_LAST.sub(lambda m: f"{m['summary']} in (time)", block)
+
+
+def block_now(document: Path, name: str) -> tuple[str, str]:
+    """Block ``name`` of ``document``: as committed, and as its commands print it now (comparable)."""
+    text = document.read_text()
+    fresh = render_console(text, only=name)
+    committed = next(m.group(0) for m in _CONSOLE.finditer(text) if m["name"] == name)
+    now = next(m.group(0) for m in _CONSOLE.finditer(fresh) if m["name"] == name)
+    return comparable(committed), comparable(now)
+
+
+def show_diff(document: Path, before: str, after: str) -> str:
+    lines = difflib.unified_diff(
+        before.splitlines(), after.splitlines(), f"{document.name} (committed)", "now", lineterm=""
+    )
+    return "\n".join(lines)
+
+
+def _check(matrix: dict[str, Any], console: bool) -> int:
+    failed = 0
+    page = MATRIX_PAGE.read_text()
+    table = render(matrix)
+    if _replace(page, table) != page:
+        print("docs/matrix.md's table differs from the matrix results, which say:\n", file=sys.stderr)
+        print(table, file=sys.stderr)
+        failed = 1
+    for document in documents() if console else []:
+        text = document.read_text()
+        if ungenerated_console_fences(text):
+            print(f"{document.name}: a console block outside <!-- NAME-output --> markers", file=sys.stderr)
+            failed = 1
+        for name in console_blocks(text):
+            committed, now = block_now(document, name)
+            if committed != now:
+                diff = show_diff(document, committed, now)
+                print(f"{document.name}: {name} differs:\n{diff}\n", file=sys.stderr)
+                failed = 1
+    if quick_start_commands() != ci_commands():
+        print(
+            f"README.md's Quick start commands {quick_start_commands()} are not the lines .ci/run "
+            f"runs {ci_commands()}",
+            file=sys.stderr,
+        )
+        failed = 1
+    if failed:
+        recorded, here = recorded_environment(), environment()
+        if console and recorded != here:
+            print(f"(the blocks were generated with {recorded}; this is {here})", file=sys.stderr)
+        print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
+        return 1
+    print("docs/matrix.md's table, the console output of README.md and docs/, and the Quick start match")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--check", action="store_true", help="fail if the README's table differs")
+    parser.add_argument("--check", action="store_true", help="fail if anything differs; change nothing")
     parser.add_argument("--results", type=Path, default=RESULTS, help="default: %(default)s")
     parser.add_argument("--table-only", action="store_true", help="leave the console blocks alone")
     args = parser.parse_args(argv)
     fresh = gather(args.results)
     matrix = fresh if fresh is not None else json.loads(MATRIX.read_text())
-    block = render(matrix)
-    text = README.read_text()
-    updated = _replace(text, block)
-    with_console = updated if args.table_only else render_console(updated)
     if args.check:
-        failed = 0
-        if updated != text:
-            print("README.md's version table differs from the matrix results, which say:\n", file=sys.stderr)
-            print(block, file=sys.stderr)
-            failed = 1
-        if with_console != updated:
-            new = [m.group(0) for m in _CONSOLE.finditer(with_console)]
-            old = [m.group(0) for m in _CONSOLE.finditer(updated)]
-            for before, after in zip(old, new):
-                if before != after:
-                    print(f"README.md's console output differs; now:\n{after}\n", file=sys.stderr)
-            failed = 1
-        if quick_start_commands() != ci_commands():
-            print(
-                f"README.md's Quick start commands {quick_start_commands()} are not the lines .ci/run "
-                f"runs {ci_commands()}",
-                file=sys.stderr,
-            )
-            failed = 1
-        if failed:
-            print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
-            return 1
-        print("README.md's version table, console output and Quick start commands match")
-        return 0
+        return _check(matrix, console=not args.table_only)
     if fresh is not None:
         MATRIX.write_text(json.dumps(fresh, indent=1) + "\n")
-    README.write_text(with_console)
+    MATRIX_PAGE.write_text(_replace(MATRIX_PAGE.read_text(), render(matrix)))
+    if not args.table_only:
+        for document in documents():
+            text = document.read_text()
+            updated = render_console(text)
+            if updated != text:
+                document.write_text(updated)
+        CONSOLE_ENVIRONMENT.write_text(json.dumps(environment(), indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -1,17 +1,24 @@
-"""The README cannot drift from CI: its Quick start commands are the ones ``.ci/run`` runs, and its
-console blocks are generated (these tests read files only; CI regenerates the output)."""
+"""The documentation cannot drift from the code: the README's Quick start commands are the ones
+``.ci/run`` runs, the matrix table is rendered from the committed results, and every console block of
+README.md and docs/*.md is what its commands print now (each run here, in fresh processes)."""
 
 from __future__ import annotations
 
-import re
+import json
 import sys
+from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import readme_table
 
-# --- the README's commands and real output (files only; CI regenerates the output) ---------------
+BLOCKS = [
+    (document, name)
+    for document in readme_table.documents()
+    for name in readme_table.console_blocks(document.read_text())
+]
 
 
 def test_ci_runs_the_readme_quick_start_commands_exactly() -> None:
@@ -19,9 +26,31 @@ def test_ci_runs_the_readme_quick_start_commands_exactly() -> None:
     assert readme and readme == ci, (readme, ci)
 
 
-def test_readme_examples_are_generated_console_blocks() -> None:
-    blocks = readme_table.console_blocks((ROOT / "README.md").read_text())
-    assert {"check-output", "status-output", "api-output"} <= set(blocks)
-    for name, commands in blocks.items():
-        assert commands, name
-        assert all(re.match(r"^[A-Za-z_=0-9 ]*(bnb-gc-fix|python|echo)\b", c) for c in commands), commands
+def test_the_matrix_table_is_rendered_from_the_committed_results() -> None:
+    page = readme_table.MATRIX_PAGE.read_text()
+    table = readme_table.render(json.loads(readme_table.MATRIX.read_text()))
+    assert table in page, "docs/matrix.md's table is not docs/matrix.json's: run scripts/readme_table.py"
+
+
+def test_every_console_block_is_generated() -> None:
+    names = {name for _, name in BLOCKS}
+    assert {"check-output", "status-output", "api-output", "plugin-output"} <= names, names
+    for document in readme_table.documents():
+        assert not readme_table.ungenerated_console_fences(document.read_text()), document
+
+
+@pytest.mark.parametrize(
+    ("document", "name"), BLOCKS, ids=[f"{document.name}:{name}" for document, name in BLOCKS]
+)
+def test_console_block_is_what_its_commands_print(document: Path, name: str) -> None:
+    recorded, here = readme_table.recorded_environment(), readme_table.environment()
+    if recorded != here:
+        pytest.skip(
+            f"the console blocks were generated with {recorded}, this environment is {here}: they are "
+            "compared in the Quick start's environment (constraints.txt; CI runs it)"
+        )
+    committed, now = readme_table.block_now(document, name)
+    assert committed == now, (
+        f"{document.name}'s {name} is not what its commands print now; run scripts/readme_table.py\n"
+        + readme_table.show_diff(document, committed, now)
+    )
