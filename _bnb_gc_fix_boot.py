@@ -1,23 +1,18 @@
-"""Start-up bootstrap for bnb-gc-fix: standard library only, imported by ``bnb_gc_fix.pth``.
+"""Start-up hook of bnb-gc-fix, imported by ``bnb_gc_fix.pth`` in every Python process: standard library only.
 
-This module lives outside the ``bnb_gc_fix`` package on purpose: importing the package
-pulls in wrapt and packaging (tens of milliseconds), and every Python process on the machine
-runs the ``.pth`` line. Importing this file touches only ``os``, ``sys`` and ``_thread``, which the
-interpreter has already loaded by the time ``site`` processes ``.pth`` files.
+It lives outside the ``bnb_gc_fix`` package on purpose: importing the package pulls in wrapt and
+packaging (tens of milliseconds). Importing this file touches only ``os``, ``sys`` and ``_thread``,
+which the interpreter has loaded by the time ``site`` processes ``.pth`` files.
 
-What it does at start-up: read ``BNB_GC_FIX`` and, unless it switches the fix off, put a tiny
-finder at the front of ``sys.meta_path``. The finder changes nothing any import finds. When
-``bitsandbytes`` is executed, it imports ``bnb_gc_fix`` just before bitsandbytes' code runs;
-that import activates the fix (a post-import hook that patches ``bitsandbytes.nn.parametrize``
-when that module loads). Processes that never import bitsandbytes pay for one list insertion and
-one set look-up per import.
-
-It is also the one place that knows the ``BNB_GC_FIX`` vocabulary, so the package and the
-start-up hook can never disagree about what a value means.
+At start-up it reads ``BNB_GC_FIX`` and, unless that switches the fix off, puts a finder first on
+``sys.meta_path`` that changes nothing any import finds. When bitsandbytes' code is about to run, the
+finder imports ``bnb_gc_fix``, whose import activates the fix. The same finder is the package's one way
+of watching imports (:func:`when_imported`), and this module is the one place that knows the
+``BNB_GC_FIX`` vocabulary.
 """
 
-# No `from __future__ import annotations` here: the __future__ module is not loaded at start-up,
-# and importing it would cost every Python process. Annotations that need it are quoted.
+# No `from __future__ import annotations`: the __future__ module is not loaded at start-up, and
+# importing it would cost every Python process. Annotations that need it are quoted.
 import _thread  # built in, loaded before site runs (the import system's own locks)
 import os
 import sys
@@ -31,62 +26,29 @@ if TYPE_CHECKING:
     from typing import Any
 
 VARIABLE = "BNB_GC_FIX"
-
-AUTO = "auto"
-ON = "on"
-OFF = "off"
-FORCE = "force"
-
-_VALUES = {
-    "": AUTO,
-    "auto": AUTO,
-    "1": ON,
-    "on": ON,
-    "true": ON,
-    "yes": ON,
-    "0": OFF,
-    "off": OFF,
-    "false": OFF,
-    "no": OFF,
-    "force": FORCE,
-}
-
+AUTO, ON, OFF, FORCE = "auto", "on", "off", "force"
+_VALUES = {"": AUTO, "auto": AUTO, "force": FORCE}
+_VALUES.update(dict.fromkeys(("1", "on", "true", "yes"), ON))
+_VALUES.update(dict.fromkeys(("0", "off", "false", "no"), OFF))
 ACCEPTED = "auto (or unset), 1/on/true/yes, 0/off/false/no, force"
 
 _TRIGGERED_MODULE = "bitsandbytes"
-
 #: The modules the package patches (``bnb_gc_fix.targets.TARGETS``; a test checks that they agree).
-#: The watcher wraps their loaders too, so that one being imported when the fix activates (axolotl's
-#: ``moe_quant`` imports bitsandbytes at its top) is decided once its code has run.
 _TARGET_MODULES = ("bitsandbytes.nn.parametrize", "axolotl.monkeypatch.moe_quant")
 _WATCHED = frozenset((_TRIGGERED_MODULE, *_TARGET_MODULES))
 
 #: Which start-up path ran in this process ("start-up hook" or "runner"), whether or not
-#: ``BNB_GC_FIX`` then switched the fix off; ``None`` when neither ran.
+#: ``BNB_GC_FIX`` then switched the fix off; None when neither ran.
 started_by: "str | None" = None
-
-#: The start-up path whose finder fired ("start-up hook" or "runner"): it saw bitsandbytes' code
-#: about to run and imported ``bnb_gc_fix``; ``None`` while it has not fired.
+#: The start-up path whose finder fired (saw bitsandbytes' code about to run); None until it has.
 trigger: "str | None" = None
 
 
 def parse(raw: "str | None") -> "tuple[str, bool]":
-    """Return ``(mode, recognised)`` for a raw ``BNB_GC_FIX`` value.
-
-    Values are trimmed and case-insensitive. An unrecognised value means ``auto``; the caller
-    decides how to say so (the start-up hook must stay silent, the package warns once).
-    """
-    if raw is None:
-        return AUTO, True
-    mode = _VALUES.get(raw.strip().lower())
-    if mode is None:
-        return AUTO, False
-    return mode, True
-
-
-def mode() -> str:
-    """The mode the environment asks for right now."""
-    return parse(os.environ.get(VARIABLE))[0]
+    """``(mode, recognised)`` for a raw ``BNB_GC_FIX`` value (trimmed, case-insensitive; unknown means
+    auto, and the caller says so: the start-up hook stays silent, the package warns once)."""
+    mode = _VALUES.get("" if raw is None else raw.strip().lower())
+    return (AUTO, False) if mode is None else (mode, True)
 
 
 def forces(mode: str) -> bool:
@@ -96,20 +58,16 @@ def forces(mode: str) -> bool:
 
 
 class BitsandbytesWatcher:
-    """A meta-path finder that activates bnb-gc-fix just before bitsandbytes' code first runs.
-
-    It never changes what an import finds, and it never changes ``sys.meta_path`` (the import
-    system may be iterating it): for a watched module (bitsandbytes, and the modules the package
-    patches) it asks the finders after it, in order, exactly as the import system would, and
-    returns their spec with its loader wrapped (:class:`_WatchingLoader`). The fix activates when
-    that loader executes bitsandbytes, by whatever path (``import``, ``importlib.util.LazyLoader``,
-    ``module_from_spec`` and ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
-    ``transformers`` does to see whether bitsandbytes is installed) activates nothing.
-    """
+    """A meta-path finder: for a watched module it asks the finders after it, in order, exactly as the
+    import system would, and returns their spec with its loader wrapped (:class:`_WatchingLoader`). It
+    never changes what an import finds, nor ``sys.meta_path`` (the import system may be iterating it).
+    The fix activates when that loader executes bitsandbytes, by whatever path (``import``,
+    ``importlib.util.LazyLoader``, ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
+    transformers does) activates nothing. ``via`` is None for the package's own watcher."""
 
     bnb_gc_fix_watcher = True
 
-    def __init__(self, via: str) -> None:
+    def __init__(self, via: "str | None") -> None:
         self.via = via
         self.fired = False
 
@@ -118,12 +76,18 @@ class BitsandbytesWatcher:
     ) -> "ModuleSpec | None":
         if fullname not in _WATCHED:
             return None
+        spec: ModuleSpec | None = None
         try:
-            spec = self._spec_after_me(fullname, path, target)
+            finders: list[Any] = list(sys.meta_path)  # a copy: the import system may be iterating it
+            for finder in finders[finders.index(self) + 1 :] if self in finders else []:
+                find_spec = getattr(finder, "find_spec", None)
+                spec = None if find_spec is None else find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         except Exception:  # a later finder failed: the import system will ask it again and say so
-            spec = None
             if fullname == _TRIGGERED_MODULE:
                 self.fire()
+            return None
         if spec is None or isinstance(spec.loader, _WatchingLoader):
             return spec
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
@@ -132,27 +96,10 @@ class BitsandbytesWatcher:
             self.fire()  # a spec we cannot wrap: activate now, as the import is about to load it
         return spec
 
-    def _spec_after_me(
-        self, fullname: str, path: "Sequence[str] | None", target: "ModuleType | None"
-    ) -> "ModuleSpec | None":
-        finders: list[object] = list(sys.meta_path)  # a copy: the import system may be iterating it
-        try:
-            after = finders[finders.index(self) + 1 :]
-        except ValueError:
-            return None
-        for finder in after:
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is not None:
-                return spec  # type: ignore[no-any-return]
-        return None
-
     def fire(self) -> None:
         """Import bnb_gc_fix, which activates the fix; once only, and never raises into the importer."""
         global trigger
-        if self.fired:
+        if self.fired or self.via is None:
             return
         self.fired = True
         trigger = self.via
@@ -169,14 +116,10 @@ else:
 
 
 class _WatchingLoader(_LoaderBase):
-    """The loader of a watched module's spec: the real one, and a word to us when it executes.
-
-    It follows the loader protocol (``create_module``, ``exec_module``; anything else is the real
-    loader's), as wrapt's post-import hooks wrap a loader. ``exec_module`` first puts the real loader
-    back on the module and its spec, so nothing anyone sees changes; for bitsandbytes it activates the
-    fix before the module's code runs; after the code ran to its end it calls back whoever asked
-    (:func:`when_complete`).
-    """
+    """A watched module's loader: the real one (``create_module``, ``exec_module``, anything else is the
+    real loader's), and a word to us when it executes. ``exec_module`` first puts the real loader back on
+    the module and its spec, so nothing anyone sees changes; for bitsandbytes it activates the fix before
+    the module's code runs; once the code has run to its end it calls back (:func:`when_imported`)."""
 
     def __init__(self, loader: "Loader", name: str, watcher: BitsandbytesWatcher) -> None:
         self.loader = loader
@@ -210,15 +153,17 @@ class _WatchingLoader(_LoaderBase):
             with _LOCK:
                 _EXECUTING.discard(self.name)
                 # After a failure the import system drops the half module: wait for the next import.
-                callbacks = _CALLBACKS.pop(self.name, []) if completed else []
+                callbacks = _CALLBACKS.pop(self.name, set()) if completed else set()
             for callback in callbacks:
                 try:
-                    callback()
+                    callback(self.name)
                 except Exception:  # never break the user's import
                     pass
 
 
 _LOCK = _thread.allocate_lock()
+_EXECUTING: "set[str]" = set()
+_CALLBACKS: "dict[str, set[Callable[[str], None]]]" = {}
 
 
 def _renew_lock() -> None:
@@ -228,48 +173,46 @@ def _renew_lock() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_renew_lock)
-_EXECUTING: "set[str]" = set()
-_CALLBACKS: "dict[str, list[Callable[[], None]]]" = {}
 
 
-def when_complete(name: str, callback: "Callable[[], None]") -> bool:
-    """Call ``callback()`` once the module ``name``, executing through the watcher's loader right now,
-    has run to its end (after a failure: once its next import has). False when ``name`` is not
-    executing through the watcher's loader (no start-up hook, or another finder answered for it);
-    the callback is then never called. Callbacks run outside the import's error path: they must not
-    raise, and what they raise is dropped.
+def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
+    """Call ``callback(name)`` once the watched module ``name`` has run to its end through a watcher's
+    loader: the import under way now, else the next one (after a failed import, the one after). A watcher
+    is put first on ``sys.meta_path`` if none is first there (as wrapt's post-import hooks put theirs).
+    False when ``name`` is being imported right now by a loader no watcher wraps: the callback is then
+    never called. Callbacks must not raise (what they raise is dropped); one registered twice runs once.
     """
     with _LOCK:
-        if name not in _EXECUTING:
+        if name in sys.modules and name not in _EXECUTING:
             return False
-        _CALLBACKS.setdefault(name, []).append(callback)
-        return True
+        _CALLBACKS.setdefault(name, set()).add(callback)
+        if name in _EXECUTING:
+            return True
+    if not (sys.meta_path and getattr(sys.meta_path[0], "bnb_gc_fix_watcher", False)):
+        sys.meta_path.insert(0, BitsandbytesWatcher(None))  # an import's code runs, not a find loop
+    return True
 
 
 def installed_watcher() -> "BitsandbytesWatcher | None":
-    """The watcher on ``sys.meta_path``, if the start-up hook or the runner installed one."""
+    """The start-up hook's or the runner's watcher on ``sys.meta_path``, if one installed it."""
     for finder in sys.meta_path:
-        if getattr(finder, "bnb_gc_fix_watcher", False):
+        if getattr(finder, "bnb_gc_fix_watcher", False) and getattr(finder, "via", None) is not None:
             return finder  # type: ignore[return-value]
     return None
 
 
 def install(via: str = "start-up hook") -> bool:
-    """Arrange for the fix to activate when bitsandbytes is first imported.
-
-    Returns ``True`` when a watcher is in place (or the fix was activated right away because
-    bitsandbytes is already imported), ``False`` when ``BNB_GC_FIX`` switches it off.
-    """
+    """Arrange for the fix to activate when bitsandbytes is first executed (at once if it already is).
+    False when ``BNB_GC_FIX`` switches it off."""
     global started_by
     started_by = via
-    if mode() == OFF:
+    if parse(os.environ.get(VARIABLE))[0] == OFF:
         return False
-    if installed_watcher() is not None:
-        return True
-    watcher = BitsandbytesWatcher(via)
-    sys.meta_path.insert(0, watcher)
-    if _TRIGGERED_MODULE in sys.modules:
-        watcher.fire()
+    if installed_watcher() is None:
+        watcher = BitsandbytesWatcher(via)
+        sys.meta_path.insert(0, watcher)
+        if _TRIGGERED_MODULE in sys.modules:
+            watcher.fire()
     return True
 
 

@@ -1,10 +1,10 @@
 """Turning the fix on and off: one explicit state per library, and the switch read once per activation.
 
 ``activate()`` reads ``BNB_GC_FIX`` once and keeps what it read until the next ``activate()``. It patches
-each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is imported, else when its import
-completes (a wrapt post-import hook; for a module being imported right now, the start-up hook's loader
-calls back once its code has run). Each library is in one :class:`State`, set here and nowhere else, with
-the sentence and the verdict that put it there; :mod:`bnb_gc_fix.status` reports them.
+each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is imported, else once its import
+completes (:func:`_bnb_gc_fix_boot.when_imported`, the one import-watching mechanism). Each library is
+in one :class:`State`, set here and nowhere else, with the sentence and the verdict that put it there;
+:mod:`bnb_gc_fix.status` reports them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Library:
         self.reason = "not activated"
         self._verdict: tuple[weakref.ref[ModuleType], decide.Verdict] | None = None
         self.warned = False
-        self.hook_registered = False
 
     def module(self) -> ModuleType | None:
         """Its target module as imported right now (None if not imported)."""
@@ -134,15 +133,15 @@ _OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(bo
 
 
 def _warn(message: str, category: type[Warning]) -> None:
-    """Warn at the user's line: the first frame outside this package, the start-up hook and wrapt's
-    post-import machinery (importlib's frames are skipped without counting, as ``warnings`` does)."""
+    """Warn at the user's line: the first frame outside this package and the start-up hook (importlib's
+    frames are skipped without counting, as ``warnings`` does)."""
     level, frame = 1, sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not ("importlib" in filename and "_bootstrap" in filename):
             level += 1
             path = filename if filename.startswith("<") else os.path.abspath(filename)
-            if not (path.startswith(_OURS) or f"{os.sep}wrapt{os.sep}" in path):
+            if not path.startswith(_OURS):
                 break
         frame = frame.f_back  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
@@ -188,49 +187,40 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
 
 
 def _arm(library: Library) -> None:
-    """Patch the library's module now if it is imported, else when its import completes."""
+    """Patch the library's module now if it is imported, else once its import (under way, or next) ends."""
     name = library.target.module
     module = sys.modules.get(name)
-    if module is not None and not initializing(module):
-        _apply(library, module, late=True)
-        return
-    library.set(State.ARMED, ARMED_REASON if library.target is BITSANDBYTES else _armed(name))
-    if module is not None:
-        # Half-initialised (the start-up hook fired on an import of bitsandbytes inside it): its
-        # functions are not all defined yet. Decide once its code has run.
-        if boot.when_complete(name, lambda: _on_complete(library)):
-            logger.debug("%s is being imported; deciding once its code has run", name)
-        elif not initializing(module):
-            _apply(library, module)  # it completed meanwhile
-        else:
+    late = module is not None and not initializing(module)
+    if not late:
+        library.set(State.ARMED, ARMED_REASON if library.target is BITSANDBYTES else _armed(name))
+        if boot.when_imported(name, _on_imported):
+            if module is not None:
+                logger.debug("%s is being imported; deciding once its code has run", name)
+            return
+        module = sys.modules.get(name)
+        if module is None or initializing(module):  # being imported by a loader no watcher wraps
             _skip(
                 library,
                 f"{name} was being imported when the fix was activated and that import cannot be "
                 "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
             )
-    elif not library.hook_registered:
-        import wrapt
-
-        library.hook_registered = True
-        wrapt.register_post_import_hook(_on_import, name)
+            return
+    assert module is not None
+    _apply(library, module, late=late)
 
 
-def _on_import(module: ModuleType) -> None:
-    """wrapt post-import hook, called once the module's code has run: must never raise."""
-    library = process.libraries.get(getattr(module, "__name__", ""))
-    if library is not None:
-        _on_complete(library)
-
-
-def _on_complete(library: Library) -> None:
-    """A target module's code has run (or raised): decide and patch, as the last activation read the
+def _on_imported(name: str) -> None:
+    """A target module's code has run to its end: decide and patch, as the last activation read the
     switch. Never raises."""
+    library = process.libraries.get(name)
+    if library is None:
+        return
     try:
         with process.lock:
             if library.state is not State.ARMED:  # deactivate() or an activate() switched off cancelled it
                 return
             module = library.module()
-            if module is None:  # its import failed: wait for the next one
+            if module is None:  # removed from sys.modules meanwhile: wait for the next import
                 _arm(library)
             else:
                 _apply(library, module)

@@ -26,22 +26,13 @@ PATCHED, UNPATCHED, ARMED, NOT_NEEDED, OFF, SKIPPED = (state.value for state in 
 class LibraryStatus:
     """Everything about one library this package patches (see :mod:`bnb_gc_fix.targets`)."""
 
-    name: str
-    """The library: "bitsandbytes", "axolotl"."""
-    module: str
-    """The module whose functions are wrapped: "bitsandbytes.nn.parametrize"."""
-    version: str | None
-    """Its ``__version__``, or None while it is not imported."""
-    state: str
-    """One word, from what its module shows right now (:class:`bnb_gc_fix.activation.State`): "patched",
-    "unpatched" (it was patched, then reloaded: its own functions are back), "armed", "not needed",
-    "off" or "skipped"."""
-    affected: bool | None
-    """Its code registers the leaking plain pair (None: not known, its module is not imported)."""
-    probe: str | None
-    """What the probe of its code saw, in a few words (None: not probed)."""
-    reason: str
-    """A human sentence: why it is, or is not, patched."""
+    name: str  # the library: "bitsandbytes", "axolotl"
+    module: str  # the module whose functions are wrapped: "bitsandbytes.nn.parametrize"
+    version: str | None  # its __version__; None while it is not imported
+    state: str  # one word, from what its module shows right now: a value of activation.State
+    affected: bool | None  # its code registers the leaking plain pair (None: not known, not imported)
+    probe: str | None  # what the probe of its code saw, in a few words (None: not probed)
+    reason: str  # a human sentence: why it is, or is not, patched
 
     @property
     def patched(self) -> bool:
@@ -55,32 +46,18 @@ class LibraryStatus:
 class Status:
     """Where the fix stands in this process: the libraries, and torch's cache."""
 
-    libraries: tuple[LibraryStatus, ...]
-    """bitsandbytes always (first), then every other library that is imported or was decided on."""
-    torch: str | None
-    """``torch.__version__``, or None if torch is not imported."""
-    counter: int | None
-    """torch's parametrization-cache counter (above 0 after a step is the leak); None while torch's
-    parametrize module is not imported."""
-    cache_bytes: int | None
-    """Bytes of tensors held by torch's parametrization cache; None like ``counter``."""
-    mode: str
-    """The mode the last activation read from ``BNB_GC_FIX``: auto, on, off or force."""
-    switch: str | None
-    """``BNB_GC_FIX`` as the last activation read it (None: unset)."""
-    switch_now: str | None
-    """``BNB_GC_FIX`` now; where it differs from :attr:`switch`, it takes effect at the next activate()."""
-    via: str | None
-    """How the fix was turned on: "start-up hook" or "runner" when that hook saw bitsandbytes' import,
-    "import" otherwise, "activate()" after a deactivate(); None while nothing is patched or armed."""
-    startup_hook: str
-    """The start-up hook or runner in this process: "installed", "switched off" or "not installed"."""
-    cell_end_release: bool
-    """In IPython/Jupyter: a cell that ends with an exception releases a cache it left switched on."""
-    gil: bool = True
-    """False on a free-threaded Python running without the GIL (an untested path; :attr:`reason` says so)."""
-    import_errors: Mapping[str, str] = field(default_factory=dict)
-    """Imports that failed when ``bnb-gc-fix status`` or ``check`` tried them: module -> what went wrong."""
+    libraries: tuple[LibraryStatus, ...]  # bitsandbytes first, then every other imported or decided on
+    torch: str | None  # torch.__version__; None if torch is not imported
+    counter: int | None  # torch's cache counter (above 0 after a step: the leak); None: not imported
+    cache_bytes: int | None  # bytes held by torch's parametrization cache; None like counter
+    mode: str  # what the last activation read BNB_GC_FIX as: auto, on, off or force
+    switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
+    switch_now: str | None  # BNB_GC_FIX now: where it differs, it takes effect at the next activate()
+    via: str | None  # "start-up hook", "runner", "import" or "activate()"; None: nothing patched or armed
+    startup_hook: str  # "installed", "switched off" (by BNB_GC_FIX) or "not installed"
+    cell_end_release: bool  # IPython/Jupyter: a cell ending in an exception releases the cache it held
+    gil: bool = True  # False on a free-threaded Python without the GIL (untested; reason says so)
+    import_errors: Mapping[str, str] = field(default_factory=dict)  # module -> what its import raised
 
     @property
     def bitsandbytes(self) -> LibraryStatus:
