@@ -17,6 +17,7 @@ import warnings
 from types import ModuleType
 
 import _bnb_gc_fix_boot as boot
+import _bnb_gc_fix_cache as cache
 from bnb_gc_fix import decide, installed, notebook, report
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
 from bnb_gc_fix.report import LibraryStatus, Status
@@ -367,12 +368,10 @@ def _library_reason(library: _Library, version: str | None) -> str:
 
 def _cache_now() -> tuple[int | None, int | None]:
     """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
-    if "torch.nn.utils.parametrize" not in sys.modules:
+    if cache.parametrize() is None:
         return None, None
     try:
-        from bnb_gc_fix import gate
-
-        return gate.counter(), gate.cached_bytes()
+        return cache.counter(), cache.cached_bytes()
     except Exception:  # status() never raises
         return None, None
 
