@@ -1,35 +1,14 @@
 """pytest plugin: report the tests and fixtures that leave torch's parametrization cache switched on.
 
-Opt in with ``pytest --parametrize-cache-check`` (a plain switch: anywhere on the command line; mode
-warn) and set the mode with ``--parametrize-cache-check-mode=warn|fail|off`` (which alone turns the check
-on too; the first spelling ``--parametrize-cache-check=fail`` still works), or the ini option
-``parametrize_cache_check = warn|fail``; off by default.
-
-**Who is blamed.** Torch's counter ``P._cache_enabled`` is above 0 while a hold is live. A hold kept on
-purpose has a live owner: a ``P.cached()`` context entered and not exited, its generator suspended at
-its ``yield``. When a fixture's setup (any scope) raised the counter, the plugin counts the owners that
-appeared (a ``gc`` scan, only then): those holds are the fixture's until it is finalised. Any other
-change the setup made is that fixture's leak: reported at once, naming the fixture and its scope, and
-undone, so no later test runs with it. A fixture's teardown must leave the counter where it found it,
-less the holds it owned; a ``P.cached()`` context it still holds after its finalizer is reported and
-closed (its own exit runs), and any other change is reported and undone. After each test's teardown, a
-counter other than the holds live fixtures own (or below zero, which torch reads as on), or tensors left
-in ``P._cache`` at 0, is the test's leak. Each leak gets one line (counter, bytes cached, the usual cause,
-whether bnb-gc-fix was patching in that process): a warning, or with ``fail`` an error of the phase
-(setup, call or teardown) of the test under way; the teardown report of that test carries it as a user
-property, and a summary at the end lists every leak and the bytes held.
-
-**Why this module lives outside the** ``bnb_gc_fix`` **package.** pytest imports every ``pytest11``
-entry point at start-up, in every pytest run of an environment where bnb-gc-fix is installed, whether
-the check is on or not. Importing anything inside the package runs ``bnb_gc_fix/__init__.py``, which
-activates the fix: that would change the process under test (the fix armed at pytest start-up instead
-of when bitsandbytes is first imported, ``status().via`` saying "import", and a test suite that never
-imports bnb-gc-fix running patched). So, like ``_bnb_gc_fix_boot``, this is a top-level module that
-imports only the standard library and pytest, never torch and never ``bnb_gc_fix``. It reads torch's
-counter through ``sys.modules``, asks ``bnb_gc_fix.status()`` only when the process under test has
-imported bnb-gc-fix itself, and releases the cache through ``bnb_gc_fix.gate.reset()`` only when that
-module is already loaded (then every gate's holds are forgotten too), else by setting torch's two
-globals directly. With the check off it registers nothing beyond its options.
+Opt in with ``--parametrize-cache-check`` (warn), ``--parametrize-cache-check-mode=warn|fail|off`` (which
+alone turns it on; ``--parametrize-cache-check=fail`` still works) or the ini option; off by default.
+A hold kept on purpose has a live owner, a ``P.cached()`` context entered and not exited: those that
+appear in a fixture's setup are the fixture's until it is finalised. Any other change of the counter
+by a fixture's setup or teardown, a context it still holds after its finalizer, and after a test's
+teardown a counter other than the live fixtures' holds (or tensors cached at 0), is a leak: one line (a
+warning, or with ``fail`` an error of the phase under way), released so later tests start clean, and
+listed in a summary. A top-level module importing only the standard library and pytest: pytest imports
+it in every run, and importing the ``bnb_gc_fix`` package would activate the fix under test.
 """
 
 from __future__ import annotations
@@ -48,6 +27,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
+import _bnb_gc_fix_cache as cache
+
 OFF = "off"
 WARN = "warn"
 FAIL = "fail"
@@ -56,20 +37,13 @@ MODES = (OFF, WARN, FAIL)
 OPTION = "--parametrize-cache-check"
 MODE_OPTION = "--parametrize-cache-check-mode"
 INI = "parametrize_cache_check"
+# The user property, one per leak, of the teardown report of the test under way (junit XML shows it):
+# `who` (the test's node id, or the fixture), `counter`, `bytes`, `message`.
 PROPERTY = "parametrize_cache_leak"
-"""The ``user_properties`` entry, one per leak, of the teardown report of the test under way (junit XML
-shows it): ``who`` (the test's node id, or the fixture), ``counter``, ``bytes``, ``message``."""
 
 _SWITCH = "parametrize_cache_check_switch"
-_PARAMETRIZE = "torch.nn.utils.parametrize"
 _PLUGIN_NAME = "bnb_gc_fix_parametrize_cache_check"
 
-_CAUSE_ON = (
-    "usually a forward hook skipped by an exception: non-reentrant activation checkpointing stops its "
-    "recompute early by raising inside a forward, and a plain forward hook that switches the cache off "
-    "never runs (bitsandbytes 0.48-0.49 replace_parameter_4bit, axolotl <= 0.19 replace_parameter_8bit), "
-    "or a KeyboardInterrupt mid-forward"
-)
 _CAUSE_NEGATIVE = (
     "a hold given back twice: the cache-off hook (_disable_parametrization_cache) or a P.cached() exit ran "
     "without its matching enable; torch reads a negative counter as on and never empties the cache"
@@ -83,8 +57,7 @@ class ParametrizeCacheLeakWarning(pytest.PytestWarning):
 
 
 class Leak(NamedTuple):
-    who: str
-    """The test's node id, or ``fixture 'NAME' (SCOPE scope)``."""
+    who: str  # the test's node id, or "fixture 'NAME' (SCOPE scope)"
     counter: int
     cached: int
     line: str
@@ -126,25 +99,6 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(CacheCheck(mode), _PLUGIN_NAME)
 
 
-def _parametrize() -> Any:
-    return sys.modules.get(_PARAMETRIZE)
-
-
-def _counter() -> int:
-    parametrize = _parametrize()
-    return 0 if parametrize is None else int(getattr(parametrize, "_cache_enabled", 0))
-
-
-def _cached_bytes(parametrize: Any) -> int:
-    torch = sys.modules.get("torch")
-    tensor_type = getattr(torch, "Tensor", None)
-    total = 0
-    for value in list(getattr(parametrize, "_cache", {}).values()):
-        if tensor_type is not None and isinstance(value, tensor_type):
-            total += value.numel() * value.element_size()
-    return total
-
-
 def _fix_state() -> str:
     """Whether bnb-gc-fix was patching in this process, without importing it."""
     switch = os.environ.get("BNB_GC_FIX")
@@ -168,7 +122,7 @@ def _suspended(generator: Any) -> bool:
 
 def _owners() -> list[Any]:
     """The live ``P.cached()`` contexts: its generators suspended at their ``yield`` (a scan of gc)."""
-    cached = getattr(_parametrize(), "cached", None)
+    cached = getattr(cache.parametrize(), "cached", None)
     code = getattr(getattr(cached, "__wrapped__", cached), "__code__", None)
     return [
         o for o in gc.get_objects() if type(o) is types.GeneratorType and o.gi_code is code and _suspended(o)
@@ -179,35 +133,20 @@ def _who(fixturedef: pytest.FixtureDef[Any]) -> str:
     return f"fixture '{fixturedef.argname}' ({fixturedef.scope} scope)"
 
 
-def _release(parametrize: Any, keep: int) -> None:
-    """Counter set to ``keep`` (the holds that have an owner); cache emptied at 0."""
-    gate = sys.modules.get("bnb_gc_fix.gate")
-    reset = getattr(gate, "reset", None)
-    if keep == 0 and reset is not None:
-        reset()  # also forgets every gate's holds
-        return
-    parametrize._cache_enabled = keep
-    if keep == 0:
-        parametrize._cache = {}
-
-
 class CacheCheck:
     """The check, registered by :func:`pytest_configure` when a mode other than off is asked for."""
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        # By id of a FixtureDef: the P.cached() contexts each live fixture entered in its setup, and the
+        # counter and those of its holds still owned when its teardown began.
         self.owned: dict[int, list[weakref.ref[Any]]] = {}
-        """The ``P.cached()`` contexts each live fixture entered in its setup (by id of its FixtureDef)."""
-        self.setups: list[int] = []
-        """Holds owned by the fixtures set up inside each fixture setup under way (innermost last)."""
         self.teardowns: dict[int, tuple[int, int]] = {}
-        """Counter and the fixture's holds still owned when its teardown began (by id of its FixtureDef)."""
-        self.found: list[Leak] = []
-        """Leaks found since the last test report, to report with the next one."""
-        self.troubles: list[str] = []
-        """The check's own failures, to report as warnings: they never break the run."""
+        self.setups: list[int] = []  # holds owned by fixtures set up inside each setup under way
+        self.found: list[Leak] = []  # leaks found since the last test report, reported with the next
+        self.troubles: list[str] = []  # the check's own failures, reported as warnings: never breaking
+        # (who, node id of the test under way, counter, bytes) of each leak (on the xdist controller).
         self.leaks: list[tuple[str, str, int, int]] = []
-        """(who, node id of the test under way, counter, bytes) of each leak (on the xdist controller)."""
 
     def pytest_report_header(self) -> str:
         return f"parametrize-cache-check: {self.mode} (bnb-gc-fix)"
@@ -227,14 +166,13 @@ class CacheCheck:
     ) -> None:
         """Queue one leak's line, then release: close the contexts ``close`` (their own exit gives their
         hold back, and empties the cache at 0), and set the counter to ``after`` unless None."""
-        parametrize = _parametrize()
-        counter, cached = _counter(), _cached_bytes(parametrize)
+        counter, cached = cache.counter(), cache.cached_bytes()
         for owner in close:
             owner.close()
         if after is None:
-            after = _counter()
+            after = cache.counter()
         else:
-            _release(parametrize, after)
+            cache.reset(keep=after)
         emptied = ", cache emptied" if after == 0 else ""
         line = (
             f"{who} {what}: P._cache_enabled = {counter}{note}, {cached} bytes cached; {cause}; "
@@ -248,20 +186,19 @@ class CacheCheck:
             return
         if change > 0:
             what = f"left torch's parametrization cache switched on in its {phase}"
-            what += f" (+{change} that no P.cached() context holds)"
-            cause = _CAUSE_ON
+            what, cause = f"{what} (+{change} that no P.cached() context holds)", cache.CAUSE
         else:
             what, cause = f"gave back more holds than it took in its {phase} ({change})", _CAUSE_NEGATIVE
-        self._report(_who(fixturedef), what, cause, _counter() - change)
+        self._report(_who(fixturedef), what, cause, cache.counter() - change)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]) -> Generator[None, Any, None]:
-        before = _counter()
+        before = cache.counter()
         self.setups.append(0)  # what fixtures set up inside this one own is theirs, not this one's
         yield
         inner = self.setups.pop()
         with self._guard(f"after the setup of {_who(fixturedef)}"):
-            rise = _counter() - before - inner
+            rise = cache.counter() - before - inner
             owners: list[Any] = []
             if rise > 0:  # a hold kept on purpose has an owner that appeared with it
                 claimed = self._claimed()
@@ -276,7 +213,7 @@ class CacheCheck:
     def _teardown_begins(self, fixturedef: pytest.FixtureDef[Any]) -> None:
         with self._guard(f"before the teardown of {_who(fixturedef)}"):
             refs = self.owned.get(id(fixturedef), [])
-            self.teardowns[id(fixturedef)] = (_counter(), sum(_suspended(ref()) for ref in refs))
+            self.teardowns[id(fixturedef)] = (cache.counter(), sum(_suspended(ref()) for ref in refs))
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any]) -> None:
         refs = self.owned.pop(id(fixturedef), [])
@@ -286,7 +223,7 @@ class CacheCheck:
         with self._guard(f"after the teardown of {_who(fixturedef)}"):
             counter, held = start
             kept: list[Any] = [owner for owner in (ref() for ref in refs) if _suspended(owner)]
-            change = _counter() - (counter - held + len(kept))
+            change = cache.counter() - (counter - held + len(kept))
             if kept:
                 what = f"still held {len(kept)} P.cached() context(s) it entered after its finalizer"
                 self._report(_who(fixturedef), what, _CAUSE_KEPT, None, close=kept)
@@ -294,17 +231,13 @@ class CacheCheck:
 
     def check(self, nodeid: str) -> None:
         """After a test's teardown: the counter must be the holds live fixtures own, the cache empty at 0."""
-        parametrize = _parametrize()
-        if parametrize is None:
-            return
-        counter = int(getattr(parametrize, "_cache_enabled", 0))
+        counter = cache.counter()
         keep = sum(_suspended(ref()) for refs in self.owned.values() for ref in refs)
-        cache = getattr(parametrize, "_cache", None) or {}
-        if counter == keep and (keep != 0 or not cache):
+        if counter == keep and (keep != 0 or not cache.cached_tensors()):
             return
         orphans: list[Any] = []
         if counter > keep:
-            what, cause = "left torch's parametrization cache switched on", _CAUSE_ON
+            what, cause = "left torch's parametrization cache switched on", cache.CAUSE
             claimed = self._claimed()  # a P.cached() context the test left open is closed, not reset
             orphans = [owner for owner in _owners() if id(owner) not in claimed]
         elif counter < 0:
@@ -373,11 +306,8 @@ class CacheCheck:
                 f"LEAK {who}{where}: P._cache_enabled = {counter}, {cached} bytes cached"
             )
         tests = sum(who == nodeid for who, nodeid, _, _ in self.leaks)
-        counts = [
-            f"{n} {noun}{'s' if n > 1 else ''}"
-            for n, noun in ((tests, "test"), (len(self.leaks) - tests, "fixture"))
-            if n
-        ]
+        kinds = ((tests, "test"), (len(self.leaks) - tests, "fixture"))
+        counts = [f"{n} {noun}{'s' if n > 1 else ''}" for n, noun in kinds if n]
         total = sum(cached for _, _, _, cached in self.leaks)
         terminalreporter.write_line(
             f"{' and '.join(counts)} left torch's parametrization cache switched on, {total} bytes held in "

@@ -8,9 +8,9 @@ API is small: :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repai
 from __future__ import annotations
 
 import logging
-import sys
 from typing import TYPE_CHECKING
 
+import _bnb_gc_fix_cache
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
 from bnb_gc_fix.activation import deactivate
@@ -76,16 +76,12 @@ def repair(model: torch.nn.Module) -> int:
 
 
 def reset() -> int:
-    """Release a stuck parametrization cache: counter to 0, cache emptied.
+    """Release a stuck parametrization cache: counter to 0, cache emptied, every gate's holds forgotten.
 
     Returns the holds released (the counter's value before). Works whether or not the fix is
     active, and never imports torch: with torch not imported there is nothing to release.
     """
-    if "torch.nn.utils.parametrize" not in sys.modules:
-        return 0
-    from bnb_gc_fix import gate
-
-    return gate.reset()
+    return _bnb_gc_fix_cache.reset()
 
 
 _activation.activate(via="import")  # importing the package turns the fix on

@@ -1,9 +1,8 @@
 """``bnb-gc-fix check``: reproduce the leak's shape in-process on a small synthetic model.
 
-Quantized 3-D expert parameters (``replace_parameter_4bit``), non-reentrant activation
-checkpointing around each layer, a trainable router and AdamW: the same ingredients as the bug
-report, on random weights, with nothing downloaded. The process is configured exactly as the
-user's environment configures it (``BNB_GC_FIX``, start-up hook, installed versions).
+Quantized 3-D expert parameters (``replace_parameter_4bit``), non-reentrant activation checkpointing
+around each layer, a trainable router and AdamW, on random weights: the ingredients of the bug report,
+nothing downloaded, in a process configured as the user's environment configures it.
 """
 
 from __future__ import annotations
@@ -11,10 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import _bnb_gc_fix_cache as cache
+
 
 class CannotRunError(Exception):
-    """The check cannot run here (torch or bitsandbytes missing or too old, no CUDA, a failure inside
-    the synthetic run); the message says what happened and what to do."""
+    """The check cannot run here; the message says what happened and what to do."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class CheckResult:
 
 
 def _imports() -> tuple[Any, Any]:
+    """torch and bitsandbytes' parametrize module, or a CannotRunError saying why not."""
     from bnb_gc_fix.decide import MIN_TORCH, PARAMETRIZE, before_parametrize, no_parametrize, torch_too_old
     from bnb_gc_fix.installed import missing, try_import
 
@@ -48,7 +49,6 @@ def _imports() -> tuple[Any, Any]:
         if missing("torch"):
             raise CannotRunError(f"{problem}; install torch (and bitsandbytes>=0.48) to run the check")
         raise CannotRunError(f"{problem}; repair the torch installation to run the check")
-
     if torch_too_old(str(torch.__version__)):
         raise CannotRunError(
             f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} "
@@ -72,29 +72,24 @@ def _imports() -> tuple[Any, Any]:
 
 
 def _device(torch: Any, device: str | None) -> str:
-    """The device to run on; CUDA asked for where there is none is a clear CannotRunError."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if getattr(torch.version, "cuda", None) is None:
-            raise CannotRunError(
-                f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without "
-                "CUDA support; run with --device cpu, or install a CUDA build of torch"
-            )
-        if not torch.cuda.is_available():
-            raise CannotRunError(
-                "--device cuda was asked for, but no CUDA device is available here (check the driver "
-                "and CUDA_VISIBLE_DEVICES); run with --device cpu"
-            )
+    if device == "cuda" and getattr(torch.version, "cuda", None) is None:
+        raise CannotRunError(
+            f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without "
+            "CUDA support; run with --device cpu, or install a CUDA build of torch"
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CannotRunError(
+            "--device cuda was asked for, but no CUDA device is available here (check the driver "
+            "and CUDA_VISIBLE_DEVICES); run with --device cpu"
+        )
     return device
 
 
 def run(device: str | None = None, steps: int = 4) -> CheckResult:
-    """Train the synthetic model for ``steps`` steps and record the cache after each.
-
-    Every failure becomes a :class:`CannotRunError`, so the command line's exit status can never
-    be mistaken for "leak observed".
-    """
+    """Train the synthetic model for ``steps`` steps and record the cache after each. Every failure
+    is a :class:`CannotRunError`, so the exit status can never be mistaken for "leak observed"."""
     torch, parametrize = _imports()
     device = _device(torch, device)
     try:
@@ -107,13 +102,12 @@ def run(device: str | None = None, steps: int = 4) -> CheckResult:
 
 
 def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult:
-    import torch.nn.utils.parametrize as P
     from torch import nn
     from torch.utils.checkpoint import checkpoint
 
     layers, experts, width, hidden = 3, 8, 64, 128
 
-    class Experts(nn.Module):
+    class Experts(nn.Module):  # its 3-D weights are quantized: bitsandbytes' hooks sit on its forward
         def __init__(self) -> None:
             super().__init__()
             self.up = nn.Parameter(torch.randn(experts, hidden, width) * 0.05)
@@ -121,8 +115,7 @@ def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult
 
         def forward(self, x: Any, weights: Any) -> Any:
             inner = torch.einsum("td,ehd->teh", x, self.up).relu()
-            out = torch.einsum("teh,edh->ted", inner, self.down)
-            return (out * weights.unsqueeze(-1)).sum(1)
+            return (torch.einsum("teh,edh->ted", inner, self.down) * weights.unsqueeze(-1)).sum(1)
 
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -154,6 +147,5 @@ def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        cached = sum(t.numel() * t.element_size() for t in P._cache.values() if isinstance(t, torch.Tensor))
-        result.steps.append(Step(step, int(P._cache_enabled), int(cached), float(loss.item())))
+        result.steps.append(Step(step, cache.counter(), cache.cached_bytes(), float(loss.item())))
     return result

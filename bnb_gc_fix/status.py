@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import _bnb_gc_fix_boot as boot
+import _bnb_gc_fix_cache as cache
 from bnb_gc_fix import activation, decide, installed, notebook
 from bnb_gc_fix.activation import Library, State
 from bnb_gc_fix.targets import BITSANDBYTES
@@ -220,12 +221,10 @@ def _library(library: Library) -> LibraryStatus:
 
 def _cache_now() -> tuple[int | None, int | None]:
     """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
-    if "torch.nn.utils.parametrize" not in sys.modules:
+    if cache.parametrize() is None:
         return None, None
     try:
-        from bnb_gc_fix import gate
-
-        return gate.counter(), gate.cached_bytes()
+        return cache.counter(), cache.cached_bytes()
     except Exception:  # status() never raises
         return None, None
 

@@ -1,8 +1,8 @@
 """The pytest plugin (``pytest --parametrize-cache-check``) that reports leaking tests.
 
-Each case is a fresh ``python -m pytest`` run in a temporary folder (pytest's ``pytester`` for the newer
-ones), on test files written here in the shape of the regression tests that upstream projects write;
-every verdict has its control beside it (the same file with ``BNB_GC_FIX=0``, or with the check off).
+Each case is a fresh pytest run in pytest's own ``pytester`` (``runpytest_subprocess``), on test files
+written here in the shape of the regression tests that upstream projects write; every verdict has its
+control beside it (the same file with ``BNB_GC_FIX=0``, or with the check off).
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, Run, cache_root, environment, pip_target, run_python
+from conftest import SCENARIOS, cache_root, pip_target
 
 pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
 pytest_plugins = ["pytester"]
@@ -134,41 +133,52 @@ def pytest_runtest_setup(item):
 LEAK_LINE = re.compile(r"^LEAK (\S+): P\._cache_enabled = (-?\d+), (\d+) bytes cached$", re.MULTILINE)
 
 
-def _pytest(
-    folder: Path,
-    files: dict[str, str],
+@pytest.fixture(scope="session")
+def axolotl() -> Path:
+    """axolotl 0.19.0, the real wheel as tests/test_axolotl.py installs it (before pytester moves HOME)."""
+    return pip_target("axolotl==0.19.0")
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, timeout=300
+    )
+
+
+def _witnessed(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
     *args: str,
-    switch: str | None = None,
+    switch: str | None,
     pythonpath: tuple[Path, ...] = (),
-    cwd: Path | None = None,
-) -> Run:
-    """``python -m pytest ARGS`` in a fresh interpreter, after writing ``files`` into ``folder``.
+) -> pytest.RunResult:
+    """A pytester run with ``BNB_GC_FIX`` set to ``switch`` (None: unset), ``pythonpath`` and the
+    quantized scenarios importable, and the counter witness loaded (``_off_zero`` reads it)."""
+    pytester.makepyfile(counter_oracle=ORACLE)
+    if switch is None:
+        monkeypatch.delenv("BNB_GC_FIX", raising=False)
+    else:
+        monkeypatch.setenv("BNB_GC_FIX", switch)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(str(p) for p in [*pythonpath, SCENARIOS]))
+    monkeypatch.setenv("COUNTER_ORACLE", str(pytester.path / "oracle.jsonl"))
+    return _run(pytester, "-p", "counter_oracle", *args)
 
-    It runs in ``folder`` (or ``cwd``) with the counter witness loaded (``_off_zero`` reads it).
-    """
-    for name, text in {**files, "counter_oracle.py": ORACLE}.items():
-        (folder / name).write_text(textwrap.dedent(text))
-    path = os.pathsep.join(str(p) for p in [folder, *pythonpath, SCENARIOS])
-    env = environment(switch, PYTHONPATH=path, COUNTER_ORACLE=str(folder / "oracle.jsonl"))
-    command = ["-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "counter_oracle", "-rA"]
-    return run_python([*command, *args], env=env, cwd=cwd or folder)
 
-
-def _off_zero(folder: Path) -> set[str]:
+def _off_zero(pytester: pytest.Pytester) -> set[str]:
     """The witness's verdict: tests after whose teardown the counter was not 0 or the cache not empty."""
-    oracle = folder / "oracle.jsonl"
+    oracle = pytester.path / "oracle.jsonl"
     records = [json.loads(line) for line in oracle.read_text().splitlines()] if oracle.exists() else []
     return {name for name, counter, cached in records if counter != 0 or cached}
 
 
-def _leaks(run: Run) -> dict[str, tuple[int, int]]:
+def _leaks(run: pytest.RunResult) -> dict[str, tuple[int, int]]:
     """The summary's LEAK lines: test name -> (counter, bytes)."""
-    return {m[1].split("::")[-1]: (int(m[2]), int(m[3])) for m in LEAK_LINE.finditer(run.stdout)}
+    return {m[1].split("::")[-1]: (int(m[2]), int(m[3])) for m in LEAK_LINE.finditer(run.stdout.str())}
 
 
-def _outcomes(run: Run, outcome: str) -> set[str]:
+def _outcomes(run: pytest.RunResult, outcome: str) -> set[str]:
     """Names of the tests with ``outcome`` (PASSED, FAILED, ERROR) in the -rA short summary."""
-    return set(re.findall(rf"^{outcome} \S+::(\w+)", run.stdout, re.MULTILINE))
+    return set(re.findall(rf"^{outcome} \S+::(\w+)", run.stdout.str(), re.MULTILINE))
 
 
 # --- flagged without the fix, clean with it: the upstream-shaped file and axolotl's 8-bit experts ----
@@ -177,18 +187,23 @@ def _outcomes(run: Run, outcome: str) -> set[str]:
 LEAKING = {"test_train_8bit_experts", "test_checkpointed_training_step", "test_disable_hook_called_directly"}
 
 
-def _both_files(folder: Path, switch: str | None) -> Run:
-    axolotl = pip_target("axolotl==0.19.0")  # the real wheel, as tests/test_axolotl.py installs it
-    files = {"test_shape.py": UPSTREAM_SHAPE, "test_axolotl_training.py": AXOLOTL_TRAINING}
-    return _pytest(folder, files, "--parametrize-cache-check", switch=switch, pythonpath=(axolotl,))
+def _both_files(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path, switch: str | None
+) -> pytest.RunResult:
+    pytester.makepyfile(test_shape=UPSTREAM_SHAPE, test_axolotl_training=AXOLOTL_TRAINING)
+    args = ("--parametrize-cache-check",)
+    return _witnessed(pytester, monkeypatch, *args, switch=switch, pythonpath=(axolotl,))
 
 
-def test_flagged_without_the_fix(tmp_path: Path) -> None:
-    run = _both_files(tmp_path, switch="0")
-    assert run.returncode == 0, run.stdout + run.stderr  # warn mode: every test still passes...
+def test_flagged_without_the_fix(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
+) -> None:
+    run = _both_files(pytester, monkeypatch, axolotl, switch="0")
+    output = run.stdout.str()
+    assert run.ret == 0, output + run.stderr.str()  # warn mode: every test still passes...
     leaks = _leaks(run)
-    assert set(leaks) == LEAKING, run.stdout
-    assert set(leaks) == _off_zero(tmp_path)  # exactly the tests the witness saw off zero
+    assert set(leaks) == LEAKING, output
+    assert set(leaks) == _off_zero(pytester)  # exactly the tests the witness saw off zero
     assert leaks["test_train_8bit_experts"][0] == 4  # 2 steps x 2 checkpointed layers, one lost hold each
     counter, cached = leaks["test_checkpointed_training_step"]
     assert counter > 0 and cached > 0 and leaks["test_train_8bit_experts"][1] > 0
@@ -197,37 +212,45 @@ def test_flagged_without_the_fix(tmp_path: Path) -> None:
     clean_starts = {"test_after_leak_starts_clean", "test_after_negative_counter_starts_clean"}
     assert clean_starts <= _outcomes(run, "PASSED")
     # ...and each flagged test got its one line: counter, bytes, cause, bnb-gc-fix's state.
-    lines = [line for line in run.stdout.splitlines() if "ParametrizeCacheLeakWarning: " in line]
-    assert len(lines) == 3, run.stdout
+    lines = [line for line in output.splitlines() if "ParametrizeCacheLeakWarning: " in line]
+    assert len(lines) == 3, output
     assert all("bnb-gc-fix: not loaded in this process (BNB_GC_FIX='0')" in line for line in lines)
-    assert "3 tests left torch's parametrization cache switched on" in run.stdout
-    assert "parametrize-cache-check: warn" in run.stdout  # the header says the check is on
+    assert "3 tests left torch's parametrization cache switched on" in output
+    assert "parametrize-cache-check: warn" in output  # the header says the check is on
 
 
-def test_clean_with_the_fix(tmp_path: Path) -> None:
-    run = _both_files(tmp_path, switch=None)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert _leaks(run) == {}, run.stdout
-    assert _off_zero(tmp_path) == set()
-    assert "no test or fixture left torch's parametrization cache switched on" in run.stdout
-    assert "ParametrizeCacheLeakWarning" not in run.stdout
+def test_clean_with_the_fix(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
+) -> None:
+    run = _both_files(pytester, monkeypatch, axolotl, switch=None)
+    output = run.stdout.str()
+    assert run.ret == 0, output + run.stderr.str()
+    assert _leaks(run) == {}, output
+    assert _off_zero(pytester) == set()
+    assert "no test or fixture left torch's parametrization cache switched on" in output
+    assert "ParametrizeCacheLeakWarning" not in output
 
 
-def test_control_check_off_by_default_and_the_leak_poisons_later_tests(tmp_path: Path) -> None:
-    run = _pytest(tmp_path, {"test_shape.py": UPSTREAM_SHAPE}, switch="0")
-    assert "parametrize cache check" not in run.stdout and "parametrize-cache-check" not in run.stdout
+def test_control_check_off_by_default_and_the_leak_poisons_later_tests(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytester.makepyfile(test_shape=UPSTREAM_SHAPE)
+    run = _witnessed(pytester, monkeypatch, switch="0")
+    assert "parametrize cache check" not in run.stdout.str()
+    assert "parametrize-cache-check" not in run.stdout.str()
     failed = _outcomes(run, "FAILED")
     assert {"test_after_leak_starts_clean", "test_after_negative_counter_starts_clean"} <= failed
 
 
-def test_fail_mode_from_the_ini_option(tmp_path: Path) -> None:
-    ini = "[pytest]\nparametrize_cache_check = fail\n"
-    run = _pytest(tmp_path, {"test_shape.py": UPSTREAM_SHAPE, "pytest.ini": ini}, switch="0")
-    assert run.returncode == 1
+def test_fail_mode_from_the_ini_option(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makepyfile(test_shape=UPSTREAM_SHAPE)
+    pytester.makeini("[pytest]\nparametrize_cache_check = fail\n")
+    run = _witnessed(pytester, monkeypatch, switch="0")
+    assert run.ret == 1
     # An error in the teardown of each leaking test, whose own call passed; the others pass.
     assert _outcomes(run, "ERROR") == {"test_checkpointed_training_step", "test_disable_hook_called_directly"}
     assert "test_after_leak_starts_clean" in _outcomes(run, "PASSED")
-    assert "left torch's parametrization cache counter below zero: P._cache_enabled = -1" in run.stdout
+    assert "left torch's parametrization cache counter below zero: P._cache_enabled = -1" in run.stdout.str()
 
 
 # --- who is blamed: fixtures (pytester runs) --------------------------------------------------------
@@ -239,12 +262,6 @@ def unfixed(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     monkeypatch.setenv("BNB_GC_FIX", "0")
     monkeypatch.setenv("PYTHONPATH", str(SCENARIOS))
     return pytester
-
-
-def _run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, timeout=300
-    )
 
 
 # A model fixture given one checkpointed warm-up step: its setup leaks one hold (bitsandbytes 0.49).
@@ -424,10 +441,11 @@ def test_plugin_imports_neither_torch_nor_the_package_and_blames_only_the_fixtur
 UPSTREAM_TESTS = Path(os.environ.get("BNB_GC_FIX_BNB_TESTS", cache_root() / "bitsandbytes-0.49-tests"))
 
 
-def test_bitsandbytes_own_parametrize_tests(tmp_path: Path) -> None:
+def test_bitsandbytes_own_parametrize_tests(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bitsandbytes' own tests/test_parametrize.py on 0.49.2, unfixed: flags exactly what the witness sees."""
-    source = UPSTREAM_TESTS / "tests" / "test_parametrize.py"
-    if not source.exists():
+    if not (UPSTREAM_TESTS / "tests" / "test_parametrize.py").exists():
         pytest.skip(
             f"bitsandbytes' tests are not at {UPSTREAM_TESTS} (PyPI has no sdist of bitsandbytes 0.49.2: "
             "put the tests/ folder of a checkout of its tag there, or point BNB_GC_FIX_BNB_TESTS at one)"
@@ -436,18 +454,14 @@ def test_bitsandbytes_own_parametrize_tests(tmp_path: Path) -> None:
     # all, about 30 s here; none of them is flagged, nor are the 28 kept here). Its error bounds are
     # measured on unseeded random tensors and a case fails now and then (mean rel error 0.2612 against
     # 0.2611 seen once): each test starts from a fixed seed, so a run is the same run every time.
-    seeded = {"seeded.py": SEEDED}
-    args = (
-        "tests/test_parametrize.py",
-        "-p",
-        "seeded",
-        "--parametrize-cache-check",
-        "-q",
-        "-k",
-        "not fp16 and not bf16",
+    pytester.makepyfile(seeded=SEEDED)
+    monkeypatch.chdir(UPSTREAM_TESTS)  # its tests run from the checkout's root, as they do upstream
+    args = ("tests/test_parametrize.py", "-p", "seeded", "--parametrize-cache-check", "-q")
+    run = _witnessed(
+        pytester, monkeypatch, *args, "-k", "not fp16 and not bf16", switch="0", pythonpath=(pytester.path,)
     )
-    run = _pytest(tmp_path, seeded, *args, switch="0", cwd=UPSTREAM_TESTS)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert re.search(r"^\d+ passed", run.stdout.splitlines()[-1]), run.stdout[-2000:]
-    assert (tmp_path / "oracle.jsonl").exists()  # the witness saw every test
-    assert set(_leaks(run)) == _off_zero(tmp_path), run.stdout
+    output = run.stdout.str()
+    assert run.ret == 0, output + run.stderr.str()
+    assert re.search(r"^\d+ passed", output.splitlines()[-1]), output[-2000:]
+    assert (pytester.path / "oracle.jsonl").exists()  # the witness saw every test
+    assert set(_leaks(run)) == _off_zero(pytester), output

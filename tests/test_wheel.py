@@ -56,6 +56,7 @@ def test_wheel_holds_the_start_up_hook_the_plugin_and_the_console_script() -> No
         assert archive.read("bnb_gc_fix.pth") == (ROOT / "bnb_gc_fix.pth").read_bytes()
         for needed in (
             "_bnb_gc_fix_boot.py",
+            "_bnb_gc_fix_cache.py",
             "bnb_gc_fix_pytest.py",
             "bnb_gc_fix/py.typed",
             "bnb_gc_fix/__init__.py",
@@ -75,6 +76,7 @@ def test_sdist_holds_exactly_what_pyproject_includes() -> None:
     for needed in (
         "bnb_gc_fix.pth",
         "_bnb_gc_fix_boot.py",
+        "_bnb_gc_fix_cache.py",
         "bnb_gc_fix_pytest.py",
         "pyproject.toml",
         "bnb_gc_fix/py.typed",

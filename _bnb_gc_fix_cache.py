@@ -1,0 +1,70 @@
+"""torch's parametrization cache, read and released without ever importing torch.
+
+In ``torch.nn.utils.parametrize``, ``_cache_enabled`` counts the holds on the global cache (it is on
+while the counter is not 0, below 0 included) and ``_cache`` keeps what was computed while it is on,
+until the counter is back at 0. The package and its pytest plugin know this through this module only:
+top-level and standard-library only, so the plugin (which must not import the package: that activates
+the fix) imports it at no cost in every pytest run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+PARAMETRIZE = "torch.nn.utils.parametrize"
+# What usually leaves the cache switched on: the sentence every report of a leak gives.
+CAUSE = (
+    "usually a forward left by an exception that skipped the forward hook switching the cache off: "
+    "non-reentrant activation checkpointing stopping its recompute early (bitsandbytes 0.48-0.49 "
+    "replace_parameter_4bit, axolotl <= 0.19 replace_parameter_8bit), or a KeyboardInterrupt (a "
+    "notebook's stop button)"
+)
+
+
+def parametrize() -> Any:
+    """torch's parametrize module, or None while nothing has imported it (then nothing is held)."""
+    return sys.modules.get(PARAMETRIZE)
+
+
+def counter() -> int:
+    """The holds on the cache; 0 while torch's parametrize is not imported (or is being imported)."""
+    return int(getattr(parametrize(), "_cache_enabled", 0))
+
+
+def cached_tensors() -> int:
+    return len(getattr(parametrize(), "_cache", {}))
+
+
+def cached_bytes() -> int:
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    values = list(getattr(parametrize(), "_cache", {}).values())
+    return sum(v.numel() * v.element_size() for v in values if tensor is not None and isinstance(v, tensor))
+
+
+def give_back(count: int) -> None:
+    """Give back ``count`` holds: the counter never goes below 0, and the cache is emptied at 0."""
+    module = parametrize()
+    if module is None:
+        return
+    remaining = module._cache_enabled - count  # no call before the write: the GIL never switches here
+    if remaining > 0:
+        module._cache_enabled = remaining
+    else:
+        module._cache_enabled = 0
+        module._cache = {}
+
+
+def reset(keep: int = 0) -> int:
+    """Set the counter to ``keep`` holds (never below 0, which torch reads as on), emptying the cache at
+    0; returns how many holds were released. With ``keep`` 0 every gate of bnb-gc-fix forgets its holds
+    too (where its gate module is loaded: otherwise there is no gate)."""
+    module, before = parametrize(), counter()
+    gate = sys.modules.get("bnb_gc_fix.gate")
+    if keep <= 0 and gate is not None:
+        gate.forget_holds()
+    if module is not None:
+        module._cache_enabled = max(keep, 0)
+        if keep <= 0:
+            module._cache = {}
+    return max(before - max(keep, 0), 0)
