@@ -56,18 +56,11 @@ def activate() -> Status:
 
 
 def repair(model: torch.nn.Module) -> int:
-    """Replace every plain cache-gate pair in ``model`` with one gate per module.
-
-    For models quantized before the fix was active (or while it was switched off). Recognises
-    bitsandbytes' pair and look-alike copies in other libraries (axolotl's 8-bit MoE experts).
-    Returns how many modules it had to fix; a second call returns 0. A module whose pair is
-    already right (its disable hook always-called: bitsandbytes 0.50, axolotl 0.20) is left
-    alone and not counted, so 0 on such a model means there was nothing to fix. It does not
-    release a counter that is already stuck: call :func:`reset` for that.
-
-    Where the last activation read ``BNB_GC_FIX=force`` it replaces those right pairs too (the gate adds
-    Ctrl-C healing), as the patch does.
-    """
+    """Replace every plain cache pair in ``model`` (bitsandbytes' and look-alike copies) with one gate
+    per module: for models quantized before the fix was active. Returns how many modules it fixed (a
+    second call returns 0). A pair already right (always-called disable hook: bitsandbytes 0.50) is left
+    alone, except where the last activation read ``BNB_GC_FIX=force``. A counter already stuck stays
+    stuck: :func:`reset` releases it."""
     import _bnb_gc_fix_boot as boot
     from bnb_gc_fix import gate
 
@@ -77,10 +70,7 @@ def repair(model: torch.nn.Module) -> int:
 
 def reset() -> int:
     """Release a stuck parametrization cache: counter to 0, cache emptied, every gate's holds forgotten.
-
-    Returns the holds released (the counter's value before). Works whether or not the fix is
-    active, and never imports torch: with torch not imported there is nothing to release.
-    """
+    Returns the holds released. Works whether or not the fix is active, and never imports torch."""
     return _bnb_gc_fix_cache.reset()
 
 

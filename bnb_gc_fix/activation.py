@@ -29,18 +29,12 @@ logger = logging.getLogger("bnb_gc_fix")
 class State(enum.Enum):
     """Where one library stands; the value is the word ``status()`` reports."""
 
-    PATCHED = "patched"
-    """Our wrappers are its module's functions."""
-    UNPATCHED = "unpatched"
-    """Never set here: how status reports PATCHED once a reload brought the module's own functions back."""
-    ARMED = "armed"
-    """Patched the moment its module is imported."""
-    NOT_NEEDED = "not needed"
-    """Its code is right (upstream's fix), or it has nothing to patch."""
-    OFF = "off"
-    """Switched off by ``BNB_GC_FIX`` or ``deactivate()``."""
-    SKIPPED = "skipped"
-    """Its code did not look as expected, or patching failed: nothing patched, one warning."""
+    PATCHED = "patched"  # our wrappers are its module's functions
+    UNPATCHED = "unpatched"  # never set here: status' word for PATCHED once a reload undid it
+    ARMED = "armed"  # patched the moment its module is imported
+    NOT_NEEDED = "not needed"  # its code is right (upstream's fix), or it has nothing to patch
+    OFF = "off"  # switched off by BNB_GC_FIX or deactivate()
+    SKIPPED = "skipped"  # its code did not look as expected, or patching failed: one warning
 
 
 class Library:
@@ -54,7 +48,6 @@ class Library:
         self.warned = False
 
     def module(self) -> ModuleType | None:
-        """Its target module as imported right now (None if not imported)."""
         return sys.modules.get(self.target.module)
 
     def applied(self) -> bool:
@@ -71,7 +64,6 @@ class Library:
 
     @property
     def decided(self) -> bool:
-        """A verdict was made on a module of this library in this process."""
         return self._verdict is not None
 
     def verdict(self, mode: str) -> decide.Verdict | None:
@@ -161,11 +153,8 @@ def initializing(module: ModuleType) -> bool:
 
 
 def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
-    """Decide on an imported target module and patch it if needed (under the lock).
-
-    ``late``: the module was imported before the fix was activated, so modules registered by it
-    before now keep the plain pair.
-    """
+    """Decide on an imported target module and patch it if needed (under the lock). ``late``: it was
+    imported before the fix was activated, so modules registered by it before now keep the plain pair."""
     from bnb_gc_fix import patch
 
     verdict = library.judge(module, process.mode)
@@ -252,10 +241,8 @@ def activate(*, via: str = "activate()") -> None:
 
 
 def deactivate() -> None:
-    """Put every patched library's own functions back and cancel pending patches.
-
-    Gates already installed on modules keep working; ``repair()`` and ``reset()`` still work.
-    """
+    """Put every patched library's own functions back and cancel pending patches (gates already
+    installed on modules keep working; ``repair()`` and ``reset()`` still work)."""
     from bnb_gc_fix import patch
 
     with process.lock:

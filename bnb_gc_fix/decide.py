@@ -27,35 +27,30 @@ def torch_version() -> str | None:
     return None if version is None else str(version)
 
 
-def _parse(version: str | None) -> Version | None:
-    if version is None:
-        return None
+def _release(version: str | None) -> Version | None:
+    """The release numbers of a version (0.50.0.dev0 counts as 0.50.0), None when unreadable."""
     try:
-        return Version(version)
+        return None if version is None else Version(Version(version).base_version)
     except InvalidVersion:
         return None
 
 
 def version_in_range(target: Target, version: str | None) -> bool | None:
     """Whether a version of ``target`` falls in its affected range (None: unknown)."""
-    parsed = _parse(version)
-    if parsed is None:
-        return None
-    # Compare release numbers so that 0.50.0.dev0 counts as 0.50 (its code decides anyway).
-    release = Version(parsed.base_version)
-    return Version(target.first_affected) <= release < Version(target.first_fixed)
+    release, span = _release(version), (Version(target.first_affected), Version(target.first_fixed))
+    return None if release is None else span[0] <= release < span[1]
 
 
 def torch_too_old(version: str | None) -> bool:
     """Whether a torch version predates forward hooks with ``always_call=True`` (``MIN_TORCH``)."""
-    parsed = _parse(version)
-    return parsed is not None and Version(parsed.base_version) < MIN_TORCH
+    release = _release(version)
+    return release is not None and release < MIN_TORCH
 
 
 def before_parametrize(version: str) -> bool:
-    """Whether a bitsandbytes version predates ``bitsandbytes.nn.parametrize`` (0.48.0)."""
-    parsed = _parse(version)
-    return parsed is not None and Version(parsed.base_version) < FIRST_AFFECTED
+    """Whether a bitsandbytes version predates ``bitsandbytes.nn.parametrize`` (its first affected)."""
+    release = _release(version)
+    return release is not None and release < FIRST_AFFECTED
 
 
 def no_parametrize(version: str) -> str:
@@ -147,7 +142,7 @@ def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES
             True,
             by_version,
             "not run",
-            f"torch {_parse(torch_version())} cannot run forward hooks with always_call=True "
+            f"torch {_release(torch_version())} cannot run forward hooks with always_call=True "
             f"(needs torch >= {MIN_TORCH})",
         )
     problem = _signature_problem(target, module)

@@ -1,17 +1,11 @@
 """The patch: wrapt wrappers around a target library's functions (see :mod:`bnb_gc_fix.targets`).
 
-* The target's registering function (bitsandbytes' ``_register_parametrization_hooks``, axolotl's
-  ``replace_parameter_8bit``) still runs in full; afterwards the plain cache pair it added to its
-  module is swapped for the module's one gate.
-* The target's enable function (``_enable_parametrization_cache``), met as a pre-hook of a module
-  that still holds a plain pair (one quantized elsewhere and pickled, or loaded from a pickle of a
-  gated module, whose hooks pickle as the plain pair), turns that pair into the gate at the
-  module's first forward.
-* The target's clamped disable function, if it names one (bitsandbytes'
-  ``_disable_parametrization_cache``), can no longer drive the counter below zero when anything
-  calls it directly, and it still empties the cache at zero.
+* The registering function still runs in full; then the plain pair it added is swapped for the gate.
+* The enable function, met as the pre-hook of a module that still holds a plain pair (loaded from a
+  pickle, whose hooks pickle as the plain pair), turns that pair into the gate at its first forward.
+* The clamped disable function, if the target names one, never drives the counter below zero.
 
-Both are undone by :func:`remove`, which puts the library's own functions back.
+:func:`remove` puts the library's own functions back.
 """
 
 from __future__ import annotations
@@ -84,11 +78,8 @@ def is_applied(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
 
 
 def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> None:
-    """Wrap the target's functions; returns False when they were already wrapped (idempotent).
-
-    ``replace_always_called`` (``BNB_GC_FIX=force`` on a fixed release): the gate also replaces
-    pairs whose disable hook is already always-called.
-    """
+    """Wrap the target's functions, once. ``replace_always_called`` (force): the gate also replaces pairs
+    whose disable hook is already always-called."""
     for name, wrapper in _wrappers(module, target, replace_always_called).items():
         current = getattr(module, name)
         if not isinstance(current, _Wrapper):  # applying twice wraps once

@@ -35,28 +35,20 @@ def _probe_axolotl() -> tuple[Any, ...]:
 class Target:
     """One library whose code registers the leaking cache pair, and how to patch it."""
 
-    name: str
-    """The library (its top-level package), as users know it."""
-    module: str
-    """The module holding the functions to wrap; patched when it is imported."""
-    register: str
-    """The function that registers the pair on its first argument, a module. It is wrapped so that
-    every module it registers a plain pair on gets the gate instead; the probe calls the original."""
-    signatures: tuple[tuple[str, int], ...]
-    """(function, positional arguments it must take): checked before anything is wrapped."""
-    probe_args: Callable[[], tuple[Any, ...]]
-    """Builds the arguments of a probe call of ``register``; the first is the throwaway module."""
+    name: str  # the library (its top-level package), as users know it
+    module: str  # the module holding the functions to wrap; patched when it is imported
+    register: str  # registers the pair on its first argument, a module; wrapped to install the gate
+    signatures: tuple[tuple[str, int], ...]  # (function, positional arguments): checked before wrapping
+    probe_args: Callable[[], tuple[Any, ...]]  # a probe call's arguments: a throwaway module, ...
+    # The affected range, in one place. Whether to patch an imported module is the probe's decision; the
+    # range is what status() and `check` compare it with, and (for bitsandbytes) first_affected is the
+    # first release with a parametrize module at all: before it there is nothing to patch.
     first_affected: str
-    """The first release with the plain pair; with :attr:`first_fixed`, the affected range. Whether to
-    patch an imported module is the probe's decision, never the version's; the range says what status()
-    and ``check`` report before the module is imported, and what its sentences compare the probe with."""
-    first_fixed: str
-    """The first release whose disable hook is always-called (upstream's fix)."""
-    clamp: str | None = None
-    """A disable function to wrap so that a direct call never drives the counter below zero."""
+    first_fixed: str  # the first release whose disable hook is always-called (upstream's fix)
+    clamp: str | None = None  # a disable function wrapped so that a direct call never goes below zero
 
     def version(self) -> str | None:
-        """``<name>.__version__`` if the library is imported, else None. Never imports it."""
+        """``<name>.__version__`` if the library is imported (never imports it)."""
         version = getattr(sys.modules.get(self.name), "__version__", None)
         return None if version is None else str(version)
 
