@@ -17,11 +17,8 @@ from bnb_gc_fix.status import status as fix_status
 
 
 def _facts() -> tuple[dict[str, Any], Status]:
-    """What ``status`` reports: the environment around the fix, and :func:`bnb_gc_fix.status`.
-
-    It imports what is installed (torch, bitsandbytes, the look-alikes), so that the fix has
-    something to decide on; every decision and every sentence comes from ``status()``.
-    """
+    """The environment around the fix, and ``status()`` once what is installed is imported (so that the
+    fix has something to decide on; every decision and sentence comes from ``status()``)."""
     import_installed()
     around = {
         "bnb_gc_fix": __version__,
@@ -31,8 +28,7 @@ def _facts() -> tuple[dict[str, Any], Status]:
     return around, fix_status()
 
 
-def _print_json(payload: dict[str, Any]) -> None:
-    """The one JSON style of every command: one object on one line, keys sorted."""
+def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one object, one line
     print(json.dumps(payload, sort_keys=True))
 
 
@@ -47,8 +43,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_PROTECTED, EXIT_LEAK, EXIT_CANNOT_RUN = 0, 1, 2
-EXIT_USAGE = 2
+EXIT_PROTECTED, EXIT_LEAK, EXIT_CANNOT_RUN, EXIT_USAGE = 0, 1, 2, 2
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
