@@ -31,8 +31,6 @@ from typing import Any
 import pytest
 from conftest import environment, pip_target, run_code
 
-pytestmark = pytest.mark.integration
-
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import SCENARIOS, Run, cache_root, environment, pip_target, run_python
 
-pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
+pytestmark = [pytest.mark.usefixtures("startup_hook_installed")]
 pytest_plugins = ["pytester"]
 
 # In the shape of upstream's checkpointing regression tests: a module quantized with
@@ -183,6 +183,7 @@ def _both_files(folder: Path, switch: str | None) -> Run:
     return _pytest(folder, files, "--parametrize-cache-check", switch=switch, pythonpath=(axolotl,))
 
 
+@pytest.mark.downloads
 def test_flagged_without_the_fix(tmp_path: Path) -> None:
     run = _both_files(tmp_path, switch="0")
     assert run.returncode == 0, run.stdout + run.stderr  # warn mode: every test still passes...
@@ -204,6 +205,7 @@ def test_flagged_without_the_fix(tmp_path: Path) -> None:
     assert "parametrize-cache-check: warn" in run.stdout  # the header says the check is on
 
 
+@pytest.mark.downloads
 def test_clean_with_the_fix(tmp_path: Path) -> None:
     run = _both_files(tmp_path, switch=None)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -424,6 +426,7 @@ def test_plugin_imports_neither_torch_nor_the_package_and_blames_only_the_fixtur
 UPSTREAM_TESTS = Path(os.environ.get("BNB_GC_FIX_BNB_TESTS", cache_root() / "bitsandbytes-0.49-tests"))
 
 
+@pytest.mark.downloads
 def test_bitsandbytes_own_parametrize_tests(tmp_path: Path) -> None:
     """bitsandbytes' own tests/test_parametrize.py on 0.49.2, unfixed: flags exactly what the witness sees."""
     source = UPSTREAM_TESTS / "tests" / "test_parametrize.py"
