@@ -137,7 +137,10 @@ def install_newest_torch(session: nox.Session, cell: dict[str, Any]) -> None:
     except nox.command.CommandFailed:
         session.log(f"{PYTORCH_CPU_INDEX} cannot be reached: the newest torch from PyPI (a CUDA build)")
         session.install("--upgrade-package", "torch", "torch", *extras)
-    printed = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True) or ""
+    # The distribution's version (torch.__version__ may carry a build tag, 2.15.0+cu132, that no index has).
+    code = "from importlib.metadata import version; print(version('torch'))"
+    printed = session.run("python", "-c", code, silent=True) or ""
+    session.log(f"the newest torch: {printed.strip()}")
     (CACHE / "constraints" / f"{cell['name']}.txt").write_text(f"torch=={printed.strip().splitlines()[-1]}\n")
 
 

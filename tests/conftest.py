@@ -115,6 +115,8 @@ def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
         env["PYTHONPATH"] = against
     if switch is not None:
         env["BNB_GC_FIX"] = switch
+    if against and "PYTHONPATH" in extra:  # other releases first, and still that checkout's package
+        extra = {**extra, "PYTHONPATH": os.pathsep.join([extra["PYTHONPATH"], against])}
     env.update(extra)
     return env
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 from conftest import (
-    ROOT,
     SCENARIOS,
     WITHOUT_STARTUP_HOOK,
     Run,
@@ -182,7 +181,7 @@ sys.path.insert(0, {str(SCENARIOS)!r})
 
 def _snippet(code: str, axolotl: str = "0.19.0", switch: str | None = None) -> Any:
     env = environment(switch, PYTHONPATH=_pythonpath(axolotl, "installed"))
-    run = run_python(["-c", SNIPPET_PRELUDE + textwrap.dedent(code)], env=env, cwd=ROOT)
+    run = run_python(["-c", SNIPPET_PRELUDE + textwrap.dedent(code)], env=env)  # cwd: the checkout under test
     assert run.returncode == 0, f"snippet failed:\n{run.stdout}\n{run.stderr}"
     return json.loads(run.stdout.splitlines()[-1])
 
