@@ -123,16 +123,9 @@ def install_newest_torch(session: nox.Session, cell: dict[str, Any]) -> None:
     """The newest torch: a CPU build from PyTorch's CPU index, else PyPI's newest; then pinned as installed,
     so that the cell's other installs never swap it for another build."""
     extras = [e for e in cell["extras"] if e.split("<")[0].split("=")[0].strip() == "numpy"]
-    try:
+    try:  # uv asks an extra index before the default one, and takes torch from the first that has it
         session.install(
-            "--upgrade-package",
-            "torch",
-            "--index-url",
-            PYTORCH_CPU_INDEX,
-            "--extra-index-url",
-            "https://pypi.org/simple",
-            "torch",
-            *extras,
+            "--upgrade-package", "torch", "--extra-index-url", PYTORCH_CPU_INDEX, "torch", *extras
         )
     except nox.command.CommandFailed:
         session.log(f"{PYTORCH_CPU_INDEX} cannot be reached: the newest torch from PyPI (a CUDA build)")
