@@ -19,6 +19,11 @@ PyPI, which has only CUDA builds for Linux. The cell's torch pin is a constraint
 it. Other torch builds are PyPI's CUDA builds:
 where ``~/.cache/bnb-gc-fix-stacks/wheels`` already holds them (with their ``nvidia-*`` wheels), torch
 is installed from there alone (``--no-index``), so nothing is downloaded again.
+
+A version ``"*"`` in cells.toml means the newest release, resolved each time the cell runs (the cell
+``latest``): its torch is the newest CPU build of PyTorch's CPU index, or PyPI's newest (a CUDA build,
+about 3 GB with its ``nvidia-*`` wheels) where that index cannot be reached, and its bitsandbytes and
+transformers are upgraded to PyPI's newest even in a reused venv.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import nox
+import nox.command
 import tomllib
 
 ROOT = Path(__file__).resolve().parent
@@ -74,13 +80,21 @@ def interpreter(version: str) -> str:
     return str(pythons[-1]) if pythons else version
 
 
+NEWEST = "*"  # a version in cells.toml: the newest release, resolved when the cell runs
+
+
 def requirements(cell: dict[str, Any]) -> list[str]:
-    pins = [f"torch=={cell['torch']}"] if cell["torch"] else []
-    if cell["bitsandbytes"]:
-        pins.append(f"bitsandbytes=={cell['bitsandbytes']}")
-    if cell["transformers"]:
-        pins.append(f"transformers=={cell['transformers']}")
+    pins = []
+    for name in ("torch", "bitsandbytes", "transformers"):
+        if cell[name]:
+            pins.append(name if cell[name] == NEWEST else f"{name}=={cell[name]}")
     return [*pins, *cell["extras"], *TOOLS, *(WITH_TORCH if cell["torch"] else [])]
+
+
+def upgrades(cell: dict[str, Any]) -> list[str]:
+    """uv's ``--upgrade-package`` for each newest-release library: a reused venv gets today's newest."""
+    names = [n for n in ("bitsandbytes", "transformers") if cell[n] == NEWEST]
+    return [arg for name in names for arg in ("--upgrade-package", name)]
 
 
 def uv_env(session: nox.Session, cell: dict[str, Any]) -> None:
@@ -91,7 +105,8 @@ def uv_env(session: nox.Session, cell: dict[str, Any]) -> None:
     session.env.pop("PIP_CONSTRAINT", None)
     constraint = CACHE / "constraints" / f"{cell['name']}.txt"
     constraint.parent.mkdir(parents=True, exist_ok=True)
-    constraint.write_text(f"torch=={cell['torch']}\n" if cell["torch"] else "")
+    pinned = cell["torch"] and cell["torch"] != NEWEST  # the newest: pinned once installed (install_torch)
+    constraint.write_text(f"torch=={cell['torch']}\n" if pinned else "")
     session.env["UV_CONSTRAINT"] = str(constraint)
     torch = cell["torch"]
     if torch.endswith("+cpu") and not glob.glob(str(CPU_WHEELS / f"torch-{torch}-*.whl")):
@@ -104,9 +119,31 @@ def uv_env(session: nox.Session, cell: dict[str, Any]) -> None:
     session.env["UV_COMPILE_BYTECODE"] = "1"
 
 
+def install_newest_torch(session: nox.Session, cell: dict[str, Any]) -> None:
+    """The newest torch: a CPU build from PyTorch's CPU index, else PyPI's newest; then pinned as installed,
+    so that the cell's other installs never swap it for another build."""
+    extras = [e for e in cell["extras"] if e.split("<")[0].split("=")[0].strip() == "numpy"]
+    try:  # uv asks an extra index before the default one, and takes torch from the first that has it
+        session.install(
+            "--upgrade-package", "torch", "--extra-index-url", PYTORCH_CPU_INDEX, "torch", *extras
+        )
+    except nox.command.CommandFailed:
+        session.log(f"{PYTORCH_CPU_INDEX} cannot be reached: the newest torch from PyPI (a CUDA build)")
+        session.install("--upgrade-package", "torch", "torch", *extras)
+    # The distribution's version (torch.__version__ may carry a build tag, 2.15.0+cu132, that no index has).
+    code = "from importlib.metadata import version; print(version('torch'))"
+    printed = session.run("python", "-c", code, silent=True) or ""
+    session.log(f"the newest torch: {printed.strip()}")
+    (CACHE / "constraints" / f"{cell['name']}.txt").write_text(f"torch=={printed.strip().splitlines()[-1]}\n")
+
+
 def install_torch(session: nox.Session, cell: dict[str, Any]) -> None:
-    """A CUDA torch from the stacks' wheel folder alone where it is there (nothing downloaded)."""
+    """A CUDA torch from the stacks' wheel folder alone where it is there (nothing downloaded); the newest
+    torch for a cell that asks for it."""
     torch = cell["torch"]
+    if torch == NEWEST:
+        install_newest_torch(session, cell)
+        return
     tag = "cp" + "".join(cell["python"].split(".")[:2])
     if not torch or "+" in torch or not glob.glob(str(CUDA_WHEELS / f"torch-{torch}-{tag}-*.whl")):
         return
@@ -154,7 +191,7 @@ def cell(session: nox.Session, name: str) -> None:
     spec = next(c for c in CELLS if c["name"] == name)
     uv_env(session, spec)
     install_torch(session, spec)
-    session.install(*requirements(spec))
+    session.install(*upgrades(spec), *requirements(spec))
     with tempfile.TemporaryDirectory(prefix="bnb-gc-fix-nox-") as tmp:
         work = Path(tmp)
         if spec["install"] == "wheel":
@@ -164,7 +201,7 @@ def cell(session: nox.Session, name: str) -> None:
         else:
             session.install("-e", str(ROOT))  # with its two runtime dependencies
         session.env["BNB_GC_FIX_CELL"] = name
-        session.env["BNB_GC_FIX_INTEGRATION"] = "1"  # a cell runs every test it selects
+        session.env["BNB_GC_FIX_DOWNLOADS"] = "1"  # a cell runs every test it selects
         for variable in ("PYTHONPATH", "BNB_GC_FIX", "VIRTUAL_ENV"):
             session.env.pop(variable, None)
         printed = session.run("python", "-c", VERSIONS, silent=True) or "{}"

@@ -30,14 +30,40 @@ def installed(distribution: str) -> str | None:
         return None
 
 
+def _affected_range() -> tuple[str, str]:
+    """bitsandbytes' affected range as the package under test states it (``bnb_gc_fix.targets``, its one
+    place), read in a fresh interpreter: importing the package here would activate the fix in pytest."""
+    code = "from bnb_gc_fix.targets import BITSANDBYTES as B\nprint(B.first_affected, B.first_fixed)\n"
+    against = os.environ.get("BNB_GC_FIX_TEST_AGAINST")
+    env = {k: v for k, v in os.environ.items() if k not in ("BNB_GC_FIX", "PYTHONPATH")}
+    env["BNB_GC_FIX"] = "0"  # nothing to activate: only the range is read
+    if against:
+        env["PYTHONPATH"] = against
+    completed = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=against or ROOT.parent,  # not the repo root: the installed package (a wheel cell's) answers
+    )
+    words = completed.stdout.split()
+    if completed.returncode != 0 or len(words) != 2:
+        raise RuntimeError(f"cannot read the affected range from bnb_gc_fix.targets:\n{completed.stderr}")
+    return words[0], words[1]
+
+
 # Expectations come from the stack the tests run on (the nox cells of cells.toml run the `stack` tests on
-# several), never from hard-coded versions.
+# several) and from the package's own statement of the affected range, never from hard-coded versions.
 BITSANDBYTES = installed("bitsandbytes")
 TORCH = installed("torch")
 TRANSFORMERS = installed("transformers")
-# An affected bitsandbytes leaks without the fix and is patched in auto mode; a fixed one (>= 0.50)
-# does not leak under checkpointing, the package steps aside, and `force` patches it anyway.
-AFFECTED = BITSANDBYTES is not None and Version("0.48") <= Version(BITSANDBYTES) < Version("0.50")
+FIRST_AFFECTED, FIRST_FIXED = _affected_range()
+# An affected bitsandbytes leaks without the fix and is patched in auto mode; a fixed one (upstream's
+# fix) does not leak under checkpointing, the package steps aside, and `force` patches it anyway.
+AFFECTED = BITSANDBYTES is not None and Version(FIRST_AFFECTED) <= Version(
+    Version(BITSANDBYTES).base_version
+) < Version(FIRST_FIXED)
 FIX = None if AFFECTED else "force"  # the switch under which the package gates the hooks here
 
 # Noise that torch and bitsandbytes print on CPU-only machines; never ours.
@@ -89,6 +115,8 @@ def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
         env["PYTHONPATH"] = against
     if switch is not None:
         env["BNB_GC_FIX"] = switch
+    if against and "PYTHONPATH" in extra:  # other releases first, and still that checkout's package
+        extra = {**extra, "PYTHONPATH": os.pathsep.join([extra["PYTHONPATH"], against])}
     env.update(extra)
     return env
 
@@ -163,10 +191,13 @@ def pip_target(spec: str) -> Path:
     """``pip install --no-deps --target`` one pinned requirement (``name==version``) into the test cache.
 
     Returns the folder, to put first on ``PYTHONPATH``. Installed once; a folder left half-made by an
-    interrupted install is made again (its ``.complete`` marker is written last).
+    interrupted install is made again (its ``.complete`` marker is written last). Without
+    BNB_GC_FIX_DOWNLOADS=1 nothing is downloaded: a folder not yet made skips the test.
     """
     target = cache_root() / spec
     marker = target / ".complete"
+    if not DOWNLOADS and not marker.exists():  # never download in the README's command
+        pytest.skip(downloads_reason(needs=spec))
     target.parent.mkdir(parents=True, exist_ok=True)
     # Parallel test workers ask for the same folder: one installs, the others wait for it.
     with open(target.parent / f".{spec}.lock", "w") as lock:
@@ -199,22 +230,57 @@ sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "bnb_gc_fix_watch
 """
 
 
-INTEGRATION = os.environ.get("BNB_GC_FIX_INTEGRATION") == "1"
+# --- tests that need another release downloaded ------------------------------------------------------
+# The README's test command runs every test the `test` extra can run. Only a test that needs another
+# release downloaded (other axolotl releases, bitsandbytes 0.50.2 via pip_target, bitsandbytes' own test
+# files) is marked `downloads`; it runs where BNB_GC_FIX_DOWNLOADS=1: CI's downloads step (.ci/run) and
+# every nox cell that selects it. Elsewhere it is skipped, saying so.
+DOWNLOADS = os.environ.get("BNB_GC_FIX_DOWNLOADS") == "1"
+DOWNLOADS_STEP = "CI's downloads step (.ci/run: BNB_GC_FIX_DOWNLOADS=1 python -m pytest -n auto -m downloads)"
+# A test parametrized over a downloaded release (a notebook row or axolotl's run on bitsandbytes 0.50.2)
+# needs the download for that case only: its id names the release.
+DOWNLOADED_RELEASES = ("0.50.2",)
+
+
+def _cells() -> list[dict[str, Any]]:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11 (a bare cell): the reason names no cells
+        return []
+    cells: list[dict[str, Any]] = tomllib.loads((ROOT / "cells.toml").read_text())["cells"]
+    return cells
+
+
+def _cells_running(item: pytest.Item, cells: list[dict[str, Any]]) -> list[str]:
+    """The nox cells whose selection holds ``item`` (its marker, or its file run whole)."""
+    path = Path(str(item.path)).resolve()
+    names = []
+    for cell in cells:
+        files = {(ROOT / f).resolve() for f in cell["files"]}
+        if cell["marker"] in item.keywords or path in files:
+            names.append(cell["name"])
+    return names
+
+
+def downloads_reason(item: pytest.Item | None = None, needs: str = "another release") -> str:
+    """Why a `downloads` test is skipped here, and where it runs."""
+    cells = _cells_running(item, _cells()) if item is not None else []
+    where = f"in the nox cell(s) {', '.join(cells)}" if cells else "in no nox cell"
+    return f"needs {needs} downloaded; runs with BNB_GC_FIX_DOWNLOADS=1: in {DOWNLOADS_STEP} and {where}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The `integration` tests start a peer of the real stack: other releases of axolotl and
-    bitsandbytes, Jupyter kernels, bitsandbytes' own tests in a nested pytest, torchrun, the Hugging
-    Face Trainer, torch.compile. They run where BNB_GC_FIX_INTEGRATION=1: CI's integration step (the
-    README's Quick start) and every nox cell; the README's test command alone skips them, saying so."""
-    if INTEGRATION:
-        return
-    skip = pytest.mark.skip(
-        reason="an integration test: runs with BNB_GC_FIX_INTEGRATION=1 (CI runs them as a step of their own)"
-    )
+    """Marks the cases of a parametrized test that run on a downloaded release `downloads`; skips every
+    `downloads` test unless BNB_GC_FIX_DOWNLOADS=1."""
     for item in items:
-        if "integration" in item.keywords:
-            item.add_marker(skip)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and any(release in callspec.id for release in DOWNLOADED_RELEASES):
+            item.add_marker(pytest.mark.downloads)
+    if DOWNLOADS:
+        return
+    for item in items:
+        if "downloads" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=downloads_reason(item)))
 
 
 @pytest.fixture(scope="session")

@@ -335,7 +335,6 @@ def _torchrun(switch: str | None, results: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.stack
-@pytest.mark.integration
 def test_torchrun_two_ranks_are_covered_without_importing_the_package(tmp_path: Path) -> None:
     records = _torchrun(None, tmp_path)
     steps = [r for r in records if "step" in r]
@@ -346,7 +345,6 @@ def test_torchrun_two_ranks_are_covered_without_importing_the_package(tmp_path: 
 
 
 @pytest.mark.stack
-@pytest.mark.integration
 def test_torchrun_control_switched_off_leaks_on_both_ranks(tmp_path: Path) -> None:
     records = _torchrun("0", tmp_path)
     last = {r["rank"]: r["counter"] for r in records if "step" in r}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import AFFECTED, FIX, SCENARIOS, run_python
 
-pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
+pytestmark = [pytest.mark.usefixtures("startup_hook_installed")]
 
 SCENARIO = SCENARIOS / "compiled.py"
 # Dynamo's own races when two threads recompile one frame at once (seen in the control too).

@@ -256,30 +256,46 @@ HOOKS = (
     + WITHOUT_STARTUP_HOOK
     + """
 import torch
+import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
 originals = (parametrize._register_parametrization_hooks, parametrize._disable_parametrization_cache)
 import bnb_gc_fix
 import quantized
-from bnb_gc_fix.gate import gate_of
+
+def pairing(module):
+    # [the counter inside a forward, the counter a forward raising an Exception leaves]: [1, 0] for one
+    # always-called gate per module, [2, 2] for a plain pair per parameter of a two-parameter module.
+    x = torch.randn(2, 64)
+    inside = []
+    handle = module.register_forward_hook(lambda m, a, o: inside.append(int(P._cache_enabled)), prepend=True)
+    module(x)
+    handle.remove()
+    try:
+        module(x, fail=True)
+    except RuntimeError:
+        pass
+    left = int(P._cache_enabled)
+    bnb_gc_fix.reset()
+    return [inside[0], left]
+
 bnb_gc_fix.activate()
 bnb_gc_fix.activate()
-wrapped_once = not hasattr(parametrize._register_parametrization_hooks.__wrapped__, "__wrapped__")
 patched = parametrize._register_parametrization_hooks is not originals[0]
 module = quantized.make(params=2)
-pairs = (len(module._forward_pre_hooks), len(module._forward_hooks), len(module._forward_hooks_always_called))
-bnb_gc_fix.deactivate()
+gated = pairing(module)
+bnb_gc_fix.deactivate()  # once: after two activate() calls, bitsandbytes' own functions are back
 current = (parametrize._register_parametrization_hooks, parametrize._disable_parametrization_cache)
 restored = current == originals
 plain = quantized.make(params=2)
-plain_pairs = (len(plain._forward_pre_hooks), len(plain._forward_hooks), gate_of(plain) is None)
+plain_pairing = pairing(plain)
 model = torch.nn.Sequential(plain, quantized.make(params=1), torch.nn.Linear(4, 4))
 fixed = bnb_gc_fix.repair(model)
 again = bnb_gc_fix.repair(model)
-repaired = (len(plain._forward_pre_hooks), len(plain._forward_hooks), gate_of(plain) is not None)
-still_working = gate_of(module) is not None
+repaired = pairing(plain)
+still_working = pairing(module)
 none = bnb_gc_fix.repair(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 print(json.dumps(dict(
-    wrapped_once=wrapped_once, patched=patched, pairs=pairs, restored=restored, plain_pairs=plain_pairs,
+    patched=patched, gated=gated, restored=restored, plain_pairing=plain_pairing,
     fixed=fixed, again=again, repaired=repaired, still_working=still_working, none=none,
     status=bnb_gc_fix.status().reason,
 )))
@@ -289,13 +305,13 @@ print(json.dumps(dict(
 
 def test_activate_is_idempotent_repair_and_deactivate() -> None:
     facts = json.loads(run_code(HOOKS).stdout)
-    assert facts["patched"] and facts["wrapped_once"]
-    assert facts["pairs"] == [1, 1, 1]  # one gate for two quantized parameters, always-called
-    assert facts["restored"]  # deactivate() put bitsandbytes' own functions back
-    assert facts["plain_pairs"] == [2, 2, True]  # built while deactivated: two plain pairs
+    assert facts["patched"]
+    assert facts["gated"] == [1, 0]  # one gate for two quantized parameters, always-called
+    assert facts["restored"]  # one deactivate() undid two activate(): the second wrapped nothing
+    assert facts["plain_pairing"] == [2, 2]  # built while deactivated: two plain pairs, both left on
     assert facts["fixed"] == 2 and facts["again"] == 0
-    assert facts["repaired"] == [1, 1, True]
-    assert facts["still_working"]
+    assert facts["repaired"] == [1, 0]
+    assert facts["still_working"] == [1, 0]  # a gate installed before deactivate() stays a gate
     assert facts["none"] == 0  # a model without quantized parameters: nothing to do
     assert facts["status"] == "deactivated by deactivate()"
 

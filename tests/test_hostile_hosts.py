@@ -435,7 +435,6 @@ def test_guard_releases_only_what_the_step_added() -> None:
     assert "went from 1 to 2" in message and "1 of those holds" in message
 
 
-@pytest.mark.integration
 @pytest.mark.skipif(not AFFECTED, reason="compares with the auto run on an affected bitsandbytes")
 def test_compiled_guarded_step_with_fullgraph() -> None:
     code = (
@@ -469,6 +468,7 @@ print(json.dumps({"bitsandbytes": __import__("bitsandbytes").__version__, "repai
 )
 
 
+@pytest.mark.downloads
 @pytest.mark.parametrize("switch", ["force", None])
 def test_repair_honours_force_on_a_fixed_bitsandbytes(switch: str | None) -> None:
     env = environment(switch, PYTHONPATH=str(pip_target("bitsandbytes==0.50.2")))

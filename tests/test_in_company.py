@@ -192,7 +192,9 @@ def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where
     # Where the fix is active, a plain pair (either pickle) becomes the gate at its first forward.
     for path in (fixed, control):
         loaded = _load(path, FIX)
-        assert loaded["counters"] == [0, 0, 0] and loaded["hooks"] == ["bnb_gc_fix.gate"]
+        hooks = loaded["hooks"]
+        assert loaded["counters"] == [0, 0, 0] and isinstance(hooks, list)
+        assert [str(hook).split(".")[0] for hook in hooks] == ["bnb_gc_fix"]  # one pre-hook: the gate's
 
 
 COPY = (

@@ -75,7 +75,6 @@ print(json.dumps([quantized.counter(), ours]))
 
 
 @pytest.mark.stack
-@pytest.mark.integration
 @pytest.mark.parametrize("callback", [True, False], ids=["with-callback", "control-without"])
 def test_trainer_with_leak_guard_callback(callback: bool) -> None:
     result = run_python(

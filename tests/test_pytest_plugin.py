@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import SCENARIOS, cache_root, pip_target
 
-pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.integration]
+pytestmark = [pytest.mark.usefixtures("startup_hook_installed")]
 pytest_plugins = ["pytester"]
 
 # In the shape of upstream's checkpointing regression tests: a module quantized with
@@ -195,6 +195,7 @@ def _both_files(
     return _witnessed(pytester, monkeypatch, *args, switch=switch, pythonpath=(axolotl,))
 
 
+@pytest.mark.downloads
 def test_flagged_without_the_fix(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
 ) -> None:
@@ -219,6 +220,7 @@ def test_flagged_without_the_fix(
     assert "parametrize-cache-check: warn" in output  # the header says the check is on
 
 
+@pytest.mark.downloads
 def test_clean_with_the_fix(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
 ) -> None:
@@ -441,6 +443,7 @@ def test_plugin_imports_neither_torch_nor_the_package_and_blames_only_the_fixtur
 UPSTREAM_TESTS = Path(os.environ.get("BNB_GC_FIX_BNB_TESTS", cache_root() / "bitsandbytes-0.49-tests"))
 
 
+@pytest.mark.downloads
 def test_bitsandbytes_own_parametrize_tests(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import SCENARIOS, environment, pip_target, run_python, tiny_olmoe
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.downloads
 
 VERSION = "0.50.2"
 
@@ -40,10 +40,10 @@ def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> Non
         "import logging, sys, json\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(name)s: %(message)s')\n"
         "from bitsandbytes.nn import parametrize\n"
-        "import bitsandbytes, bnb_gc_fix\n"
+        "import bitsandbytes, bnb_gc_fix, types\n"
         "s = bnb_gc_fix.activate()\n"
         "print(json.dumps([bitsandbytes.__version__, s.active, s.bitsandbytes.affected,"
-        " hasattr(parametrize._register_parametrization_hooks, '__wrapped__')]))\n"
+        " type(parametrize._register_parametrization_hooks) is not types.FunctionType]))\n"
     )
     result = run_python(["-c", code], env=_env(bnb_050, "on"))
     assert result.returncode == 0, result.stderr
@@ -96,21 +96,19 @@ def test_force_status_reason_says_why(bnb_050: Path) -> None:
 REPAIR = f"""
 import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
 import quantized, bnb_gc_fix
-from bnb_gc_fix import gate
 module = quantized.make(params=2)
 count = lambda: (len(module._forward_pre_hooks), len(module._forward_hooks_always_called))
 pairs = count()
 fixed = bnb_gc_fix.repair(module)
-untouched = (*count(), gate.gate_of(module) is None)
-forced = gate.install(module, replace_always_called=True)
-print(json.dumps([pairs, fixed, untouched, forced, gate.gate_of(module) is not None]))
+print(json.dumps([pairs, fixed, count()]))
 """
 
 
 def test_repair_leaves_upstream_always_called_pairs_alone(bnb_050: Path) -> None:
+    # What BNB_GC_FIX=force does instead (the gate replaces them, and heals a Ctrl-C):
+    # test_hostile_hosts.py::test_repair_honours_force_on_a_fixed_bitsandbytes.
     result = run_python(["-c", REPAIR], env=_env(bnb_050))
     assert result.returncode == 0, result.stderr
-    pairs, fixed, untouched, forced, gated = json.loads(result.stdout)
+    pairs, fixed, untouched = json.loads(result.stdout)
     assert pairs == [2, 2]  # upstream's pair per parameter, its disable hook always-called
-    assert fixed == 0 and untouched == [2, 2, True]  # already right: not replaced, not counted
-    assert forced is True and gated  # what BNB_GC_FIX=force asks for: replaced by the gate
+    assert fixed == 0 and untouched == [2, 2]  # already right: not replaced, not counted

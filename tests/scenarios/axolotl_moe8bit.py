@@ -62,11 +62,13 @@ def build(layers: int = 3, hidden: int = 32, experts: int = 4):  # type: ignore[
 
 
 def hook_counts(model) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """The first experts module's forward pre-hooks (the modules their code is in) and forward
-    hooks, and how many of those are always-called."""
+    """The first experts module's forward pre-hooks (the top-level package their code is in: axolotl's
+    own pair, or bnb_gc_fix's gate) and forward hooks, and how many of those are always-called."""
     experts = model[0].experts
     return {
-        "pre_hook_owners": [getattr(h, "__module__", "?") for h in experts._forward_pre_hooks.values()],
+        "pre_hook_owners": [
+            str(getattr(h, "__module__", "?")).split(".")[0] for h in experts._forward_pre_hooks.values()
+        ],
         "pre_hooks": len(experts._forward_pre_hooks),
         "hooks": len(experts._forward_hooks),
         "always_called": len(experts._forward_hooks_always_called),

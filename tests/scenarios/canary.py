@@ -1,0 +1,422 @@
+"""What bnb-gc-fix relies on inside torch and bitsandbytes, observed on the installed releases.
+
+    BNB_GC_FIX=0 python tests/scenarios/canary.py   # one JSON line: {"torch": {...}, "dynamo": {...}, ...}
+
+Run with the fix switched off, so that bitsandbytes' own functions are what is looked at. Each fact is
+what the installed code does, measured, never what a version number promises; a fact that cannot be
+measured is reported as the error that stopped it ("error: ..."), so one change never hides another.
+tests/test_canary.py says what each fact must be and why the package needs it.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.utils.parametrize as P
+from torch import nn
+
+CALL_IMPL = nn.Module._call_impl
+MODULE_FILE = CALL_IMPL.__code__.co_filename
+RESUME = "torch_dynamo_resume_in_"
+FACTS: dict[str, dict[str, Any]] = {"torch": {}, "parametrize": {}, "dynamo": {}, "bitsandbytes": {}}
+
+
+def fact(group: str, name: str) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    def record(measure: Callable[[], Any]) -> Callable[[], Any]:
+        try:
+            FACTS[group][name] = measure()
+        except Exception as error:
+            last = traceback.extract_tb(error.__traceback__)[-1]
+            FACTS[group][name] = f"error: {type(error).__name__}: {error} ({last.name}:{last.lineno})"
+        return measure
+
+    return record
+
+
+# --- torch.nn.Module: the frames of a call, and the hook dictionaries ---------------------------------
+
+
+def live_calls(module: nn.Module, start: Any) -> list[list[Any]]:
+    """The frames of torch's module file from ``start`` down: [name, is Module._call_impl's own code,
+    whether its local ``self`` is ``module``]."""
+    frames = []
+    frame = start
+    while frame is not None:
+        if frame.f_code.co_filename == MODULE_FILE:
+            frames.append(
+                [
+                    frame.f_code.co_name,
+                    frame.f_code is CALL_IMPL.__code__,
+                    frame.f_locals.get("self") is module,
+                ]
+            )
+        frame = frame.f_back
+    return frames
+
+
+@fact("torch", "call_impl")
+def _call_impl() -> Any:
+    return {
+        "is_function_with_code": inspect.isfunction(CALL_IMPL) and hasattr(CALL_IMPL, "__code__"),
+        "name": CALL_IMPL.__code__.co_name,
+        "__call__": nn.Module.__call__.__name__,
+    }
+
+
+@fact("torch", "frames_seen_by_hooks_and_forward")
+def _frames_seen() -> Any:
+    """Where a pre-hook, the forward and a forward hook run: the stack holds the module's own call."""
+    seen: dict[str, list[list[Any]]] = {}
+
+    class Probe(nn.Module):
+        def forward(self, x: Any) -> Any:
+            seen["forward"] = live_calls(self, sys._getframe())
+            return x
+
+    module = Probe()
+    module.register_forward_pre_hook(
+        lambda m, args: seen.__setitem__("pre_hook", live_calls(m, sys._getframe()))
+    )
+    module.register_forward_hook(
+        lambda m, args, out: seen.__setitem__("forward_hook", live_calls(m, sys._getframe())),
+        always_call=True,
+    )
+    module(torch.zeros(1))
+    return {
+        where: [name for name, own, is_self in frames if own and is_self] for where, frames in seen.items()
+    }
+
+
+HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+@fact("torch", "hook_dictionaries")
+def _hook_dictionaries() -> Any:
+    """Each registration's handle id is its key in the module's hook dictionaries (ordered dicts)."""
+    module = nn.Linear(2, 2)
+    pre = module.register_forward_pre_hook(lambda m, a: None)
+    pre_kw = module.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+    post = module.register_forward_hook(lambda m, a, o: None)
+    post_kw = module.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True)
+    always = module.register_forward_hook(lambda m, a, o: None, always_call=True)
+    dicts = {name: getattr(module, name, None) for name in HOOK_DICTS}
+    return {
+        "ordered_dicts": {name: isinstance(d, collections.OrderedDict) for name, d in dicts.items()},
+        "pre_hook_keys": list(dicts["_forward_pre_hooks"]) == [pre.id, pre_kw.id],
+        "pre_with_kwargs": list(dicts["_forward_pre_hooks_with_kwargs"]) == [pre_kw.id],
+        "hook_keys": list(dicts["_forward_hooks"]) == [post.id, post_kw.id, always.id],
+        "hook_with_kwargs": list(dicts["_forward_hooks_with_kwargs"]) == [post_kw.id],
+        "always_called": list(dicts["_forward_hooks_always_called"]) == [always.id],
+    }
+
+
+@fact("torch", "hooks_run_from_the_dictionaries")
+def _hooks_run() -> Any:
+    """torch runs what the dictionaries hold, in their order, when the call happens: a hook assigned to
+    an existing key runs in that key's place, a deleted key's hook is gone, and the always-called set
+    may be an OrderedDict subclass of one's own."""
+    order: list[str] = []
+    module = nn.Linear(2, 2)
+    keys = [
+        module.register_forward_pre_hook(lambda m, a, n=n: order.append(f"pre-{n}")).id
+        for n in ("a", "b", "c")
+    ]
+    post = [
+        module.register_forward_hook(lambda m, a, o, n=n: order.append(f"post-{n}")).id for n in ("a", "b")
+    ]
+    module._forward_pre_hooks[keys[1]] = lambda m, a: order.append("pre-replaced")
+    del module._forward_pre_hooks[keys[2]]
+    del module._forward_hooks[post[0]]
+
+    class Always(collections.OrderedDict):  # type: ignore[type-arg]
+        pass
+
+    module._forward_hooks_always_called = Always(module._forward_hooks_always_called.items())
+    module._forward_hooks_always_called[post[1]] = True
+    module(torch.zeros(2))
+    return order
+
+
+@fact("torch", "hooks_when_the_forward_raises")
+def _hooks_when_raising() -> Any:
+    """Which forward hooks run when the forward raises: always-called ones for an Exception; for a
+    BaseException (KeyboardInterrupt) none (the gate heals that hold at the next forward instead)."""
+    out: dict[str, list[str]] = {}
+    for raised in (RuntimeError, KeyboardInterrupt):
+        ran: list[str] = []
+
+        class Raising(nn.Module):
+            def forward(self, x: Any, raised: type[BaseException] = raised) -> Any:
+                raise raised("from the forward")
+
+        module = Raising()
+        module.register_forward_hook(lambda m, a, o, ran=ran: ran.append("plain"))
+        module.register_forward_hook(lambda m, a, o, ran=ran: ran.append("always_call"), always_call=True)
+        try:
+            module(torch.zeros(1))
+        except BaseException:
+            pass
+        out[raised.__name__] = ran
+    return out
+
+
+# --- torch.nn.utils.parametrize: the global cache --------------------------------------------------
+
+
+class Double(nn.Module):
+    def forward(self, x: Any) -> Any:
+        return x * 2
+
+
+def parametrized() -> nn.Module:
+    module = nn.Linear(3, 3)
+    P.register_parametrization(module, "weight", Double())
+    return module
+
+
+@fact("parametrize", "globals")
+def _globals() -> Any:
+    return {
+        "counter": [type(P._cache_enabled).__name__, P._cache_enabled],
+        "cache": [type(P._cache).__name__, len(P._cache)],
+    }
+
+
+@fact("parametrize", "cached_block")
+def _cached_block() -> Any:
+    """``P.cached()`` counts up and down the module-level counter and empties (rebinds) the cache at zero."""
+    module = parametrized()
+    with P.cached():
+        inside = P._cache_enabled
+        _ = module.weight
+        cache = P._cache
+        entries = len(cache)
+        same = module.weight is module.weight
+    return {
+        "inside": inside,
+        "entries": entries,
+        "same_tensor": same,
+        "after": P._cache_enabled,
+        "emptied": len(P._cache) == 0,
+    }
+
+
+@fact("parametrize", "cache_follows_the_counter")
+def _follows_counter() -> Any:
+    """A parametrized attribute is cached whenever the counter is above zero, in whatever dict the module
+    global ``_cache`` is at that moment (the gate and bitsandbytes set both by hand)."""
+    module = parametrized()
+    P._cache_enabled += 1
+    P._cache = {}
+    mine = P._cache
+    _ = module.weight
+    stored = len(mine)
+    P._cache_enabled -= 1
+    P._cache = {}
+    _ = module.weight
+    return {"stored_while_on": stored, "stored_while_off": len(P._cache)}
+
+
+# --- Dynamo: what frames a compiled call leaves, and its compiler switches ----------------------------
+
+
+@fact("dynamo", "switches")
+def _switches() -> Any:
+    compiling = getattr(torch.compiler, "is_dynamo_compiling", None)
+
+    def traced(x: Any) -> Any:
+        flag = compiling() if compiling is not None else torch._dynamo.is_compiling()
+        return x + (1 if flag else 0)
+
+    compiled = torch.compile(traced, backend="eager", fullgraph=True)
+    eager_only = torch.compiler.disable(lambda: compiling() if compiling is not None else None)
+    return {
+        "is_dynamo_compiling": compiling is not None or hasattr(torch._dynamo, "is_compiling"),
+        "folded_true_when_traced": float(compiled(torch.zeros(1))[0]) == 1.0,
+        "false_in_eager": float(traced(torch.zeros(1))[0]) == 0.0,
+        "disable_runs_eagerly": torch.compile(lambda: eager_only(), backend="eager")() in (False, None),
+    }
+
+
+@fact("dynamo", "frame_names")
+def _frame_names() -> Any:
+    """A compiled function's frames, seen from eager code at its graph breaks: the transformed copy keeps
+    the function's name and file, a resume function is named ``torch_dynamo_resume_in_<name>_at_<line>``,
+    and both keep ``self`` where the code still needs it."""
+    seen: list[list[Any]] = []
+
+    @torch.compiler.disable
+    def look(owner: Any) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename != __file__:
+            frame = frame.f_back
+        assert frame is not None
+        seen.append([frame.f_code.co_name, frame.f_locals.get("self") is owner])
+
+    class Box:
+        def _call_impl(self, x: Any) -> Any:  # named as torch's, so the resume name is the gate's
+            y = x.sin()
+            look(self)
+            y = y.cos()
+            look(self)
+            return y + self.bias()
+
+        def bias(self) -> int:
+            return 1
+
+    box = Box()
+    compiled = torch.compile(box._call_impl, backend="eager")
+    compiled(torch.zeros(2))
+    return [[name.split("_at_")[0], has_self] for name, has_self in seen]
+
+
+@fact("dynamo", "compiled_module_calls")
+def _compiled_module_calls() -> Any:
+    """From eager code inside a compiled module's pre-hook, forward and forward hook: the frames of torch's
+    module file on the stack, by name, and whether one of them is a call of the module that the gate
+    recognises (Module._call_impl's code, or a frame of that file named like it or its resume function)."""
+    names: set[str] = set()
+    recognised: dict[str, bool] = {}
+
+    @torch.compiler.disable
+    def look(module: nn.Module, where: str) -> None:
+        frames = live_calls(module, sys._getframe(1))
+        names.update(name.split("_at_")[0] for name, _, _ in frames)
+        recognised[where] = any(
+            is_self and (own or name == "_call_impl" or name.startswith(RESUME + "_call_impl"))
+            for name, own, is_self in frames
+        )
+
+    class Block(nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.how = how
+
+        def forward(self, x: Any) -> Any:
+            x = self.linear(x).tanh()
+            look(self, f"{self.how} forward")
+            return x * 2
+
+    for how in ("torch.compile(model)", "model.compile()"):
+        block = Block(how)
+        block.register_forward_pre_hook(lambda m, a, how=how: look(m, f"{how} pre_hook"))
+        block.register_forward_hook(lambda m, a, o, how=how: look(m, f"{how} forward_hook"), always_call=True)
+        model = nn.Sequential(nn.Linear(4, 4), block)
+        if how == "model.compile()":
+            if not hasattr(model, "compile"):  # torch < 2.2
+                continue
+            model.compile(backend="eager")
+        else:
+            model = torch.compile(model, backend="eager")
+        for _ in range(2):
+            model(torch.randn(2, 4))
+    return {"names": sorted(names), "recognised": recognised}
+
+
+# --- bitsandbytes: the functions the package wraps and what they register ---------------------------
+
+
+def _bitsandbytes() -> None:
+    import bitsandbytes
+    from bitsandbytes.nn import parametrize as bnb
+
+    from bnb_gc_fix import targets  # the package's statement of what it needs
+
+    target = targets.BITSANDBYTES
+
+    group = FACTS["bitsandbytes"]
+    group["version"] = getattr(bitsandbytes, "__version__", None)
+    group["target_module"] = target.module == bnb.__name__
+
+    @fact("bitsandbytes", "signatures")
+    def _signatures() -> Any:
+        out = {}
+        for name, arity in (*target.signatures, ("replace_parameter_4bit", 2)):
+            function = getattr(bnb, name, None)
+            if function is None:
+                out[name] = "missing"
+                continue
+            positional = [
+                p
+                for p in inspect.signature(function).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            required = [p for p in positional if p.default is p.empty]
+            out[name] = len(required) <= arity <= len(positional)
+        out["register"] = target.register in dict(target.signatures)
+        return out
+
+    @fact("bitsandbytes", "registered_pair")
+    def _registered_pair() -> Any:
+        """What ``replace_parameter_4bit`` and ``_register_parametrization_hooks`` leave on a module: one
+        pre-hook and one forward hook per parameter, named like the enable/disable functions, from
+        bitsandbytes.nn.parametrize; always-called from the first fixed release on."""
+        out = {}
+        for how in ("replace_parameter_4bit", target.register):
+            module = nn.Linear(64, 64)
+            if how == "replace_parameter_4bit":
+                bnb.replace_parameter_4bit(module, "weight")
+            else:
+                getattr(bnb, how)(module, "weight")
+            pre = list(module._forward_pre_hooks.values())
+            post = list(module._forward_hooks.values())
+            out[how] = {
+                "pre_hooks": [getattr(h, "__name__", "?") for h in pre],
+                "forward_hooks": [getattr(h, "__name__", "?") for h in post],
+                "from": sorted({getattr(h, "__module__", "?") for h in pre + post}),
+                "always_called": sorted(module._forward_hooks_always_called) == sorted(module._forward_hooks),
+            }
+        return out
+
+    @fact("bitsandbytes", "enable_and_disable")
+    def _enable_and_disable() -> Any:
+        """The pair's functions move torch's counter by one and empty the cache at zero."""
+        module = nn.Linear(2, 2)
+        start = P._cache_enabled
+        bnb._enable_parametrization_cache(module, ())
+        on = P._cache_enabled - start
+        P._cache["canary"] = torch.ones(1)
+        bnb._disable_parametrization_cache(module, (), None)
+        return {"enable_adds": on, "disable_back_to": P._cache_enabled - start, "emptied": len(P._cache) == 0}
+
+    @fact("bitsandbytes", "forward_caches_the_dequantized_weight")
+    def _forward_caches() -> Any:
+        """Inside a 4-bit module's forward the cache is on and holds its dequantized weight; after it,
+        off and empty (this is the cache that leaks when the switch-off is skipped)."""
+        module = nn.Linear(64, 64)
+        bnb.replace_parameter_4bit(module, "weight")
+        inside: dict[str, Any] = {}
+
+        def before(m: nn.Module, args: Any) -> None:  # registered after bitsandbytes' enable hook
+            inside["counter"] = P._cache_enabled
+
+        def after(m: nn.Module, args: Any, out: Any) -> None:  # prepended: before its disable hook
+            inside["entries"] = len(P._cache)
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after, prepend=True)
+        with torch.no_grad():
+            module(torch.randn(1, 64))
+        return {"during": inside, "after": [P._cache_enabled, len(P._cache)]}
+
+
+try:
+    _bitsandbytes()
+except Exception as error:
+    FACTS["bitsandbytes"]["import"] = f"error: {type(error).__name__}: {error}"
+
+print(json.dumps(FACTS))
