@@ -1,9 +1,8 @@
 """The cell-end release: in IPython and Jupyter, a cell that fails never leaves the cache switched on.
 
-A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, and torch runs no forward hook
-then. Callbacks on the running IPython shell (never imported) check each cell's end, saying so on stderr:
-what a failed cell added and no running call owns is released, what a cell that succeeded holds is
-pointed out once per counter value, and a counter below zero is put back to zero.
+A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, which skips its forward hooks.
+At each cell's end (IPython's callbacks; IPython is never imported), what a failed cell added and no
+running call owns is released, what a cell that succeeded holds is pointed out, a counter below 0 reset.
 """
 
 from __future__ import annotations
