@@ -1,10 +1,9 @@
 """torch's parametrization cache, read and released without ever importing torch.
 
-In ``torch.nn.utils.parametrize``, ``_cache_enabled`` counts the holds on the global cache (it is on
-while the counter is not 0, below 0 included) and ``_cache`` keeps what was computed while it is on,
-until the counter is back at 0. The package and its pytest plugin know this through this module only:
-top-level and standard-library only, so the plugin (which must not import the package: that activates
-the fix) imports it at no cost in every pytest run.
+In ``torch.nn.utils.parametrize``, ``_cache_enabled`` counts the holds on the global cache (on while not
+0, below 0 included) and ``_cache`` keeps what was computed while it is on, until the counter is back at
+0. Top-level and standard-library only, so the pytest plugin (which must not import the package: that
+activates the fix) imports it at no cost in every run.
 """
 
 from __future__ import annotations
@@ -32,10 +31,6 @@ def counter() -> int:
     return int(getattr(parametrize(), "_cache_enabled", 0))
 
 
-def cached_tensors() -> int:
-    return len(getattr(parametrize(), "_cache", {}))
-
-
 def cached_bytes() -> int:
     tensor = getattr(sys.modules.get("torch"), "Tensor", None)
     values = list(getattr(parametrize(), "_cache", {}).values())
@@ -57,11 +52,9 @@ def give_back(count: int) -> None:
 
 def reset(keep: int = 0) -> int:
     """Set the counter to ``keep`` holds (never below 0, which torch reads as on), emptying the cache at
-    0; returns how many holds were released. With ``keep`` 0 every gate of bnb-gc-fix forgets its holds
-    too (where its gate module is loaded: otherwise there is no gate)."""
+    0 and every loaded gate's holds; returns how many holds were released."""
     module, before = parametrize(), counter()
-    gate = sys.modules.get("bnb_gc_fix.gate")
-    if keep <= 0 and gate is not None:
+    if keep <= 0 and (gate := sys.modules.get("bnb_gc_fix.gate")) is not None:
         gate.forget_holds()
     if module is not None:
         module._cache_enabled = max(keep, 0)

@@ -1,14 +1,11 @@
 """pytest plugin: report the tests and fixtures that leave torch's parametrization cache switched on.
 
-Opt in with ``--parametrize-cache-check`` (warn), ``--parametrize-cache-check-mode=warn|fail|off`` (which
-alone turns it on; ``--parametrize-cache-check=fail`` still works) or the ini option; off by default.
-A hold kept on purpose has a live owner, a ``P.cached()`` context entered and not exited: those that
-appear in a fixture's setup are the fixture's until it is finalised. Any other change of the counter
-by a fixture's setup or teardown, a context it still holds after its finalizer, and after a test's
-teardown a counter other than the live fixtures' holds (or tensors cached at 0), is a leak: one line (a
-warning, or with ``fail`` an error of the phase under way), released so later tests start clean, and
-listed in a summary. A top-level module importing only the standard library and pytest: pytest imports
-it in every run, and importing the ``bnb_gc_fix`` package would activate the fix under test.
+Opt in with ``--parametrize-cache-check`` (warn), ``--parametrize-cache-check-mode=warn|fail|off`` or the
+ini option. A hold kept on purpose has a live owner, a ``P.cached()`` context entered and not exited: a
+fixture's if it appeared in its setup. Any other change of the counter by a fixture's setup or teardown,
+a context it holds after its finalizer, and after a test a counter other than the live fixtures' holds
+(or tensors cached at 0) is a leak: reported, released, summarised. pytest imports this module in every
+run, so it imports only the standard library and pytest: importing ``bnb_gc_fix`` activates the fix.
 """
 
 from __future__ import annotations
@@ -23,22 +20,19 @@ import sys
 import types
 import weakref
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
 import _bnb_gc_fix_cache as cache
 
-OFF = "off"
-WARN = "warn"
-FAIL = "fail"
-MODES = (OFF, WARN, FAIL)
+OFF, WARN, FAIL = MODES = ("off", "warn", "fail")
 
 OPTION = "--parametrize-cache-check"
 MODE_OPTION = "--parametrize-cache-check-mode"
 INI = "parametrize_cache_check"
 # The user property, one per leak, of the teardown report of the test under way (junit XML shows it):
-# `who` (the test's node id, or the fixture), `counter`, `bytes`, `message`.
+# `who` (the test's node id, or "fixture 'NAME' (SCOPE scope)"), `counter`, `bytes`, `message`.
 PROPERTY = "parametrize_cache_leak"
 
 _SWITCH = "parametrize_cache_check_switch"
@@ -54,13 +48,6 @@ _CAUSE_KEPT = "its finalizer did not exit a P.cached() context it entered, which
 
 class ParametrizeCacheLeakWarning(pytest.PytestWarning):
     """A test or fixture left torch's parametrization cache switched on (``--parametrize-cache-check``)."""
-
-
-class Leak(NamedTuple):
-    who: str  # the test's node id, or "fixture 'NAME' (SCOPE scope)"
-    counter: int
-    cached: int
-    line: str
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -103,8 +90,7 @@ def _fix_state() -> str:
     """Whether bnb-gc-fix was patching in this process, without importing it."""
     switch = os.environ.get("BNB_GC_FIX")
     switch_text = "BNB_GC_FIX unset" if switch is None else f"BNB_GC_FIX={switch!r}"
-    fix = sys.modules.get("bnb_gc_fix")
-    status = getattr(fix, "status", None)
+    status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
     if status is None:
         return f"bnb-gc-fix: not loaded in this process ({switch_text})"
     try:
@@ -143,10 +129,9 @@ class CacheCheck:
         self.owned: dict[int, list[weakref.ref[Any]]] = {}
         self.teardowns: dict[int, tuple[int, int]] = {}
         self.setups: list[int] = []  # holds owned by fixtures set up inside each setup under way
-        self.found: list[Leak] = []  # leaks found since the last test report, reported with the next
+        self.found: list[dict[str, Any]] = []  # leaks (PROPERTY's values) to report with the next test report
         self.troubles: list[str] = []  # the check's own failures, reported as warnings: never breaking
-        # (who, node id of the test under way, counter, bytes) of each leak (on the xdist controller).
-        self.leaks: list[tuple[str, str, int, int]] = []
+        self.leaks: list[tuple[str, str, int, int]] = []  # (who, test node id, counter, bytes) per leak
 
     def pytest_report_header(self) -> str:
         return f"parametrize-cache-check: {self.mode} (bnb-gc-fix)"
@@ -178,7 +163,7 @@ class CacheCheck:
             f"{who} {what}: P._cache_enabled = {counter}{note}, {cached} bytes cached; {cause}; "
             f"{_fix_state()}. Released (counter {after}{emptied}) so later tests start clean."
         )
-        self.found.append(Leak(who, counter, cached, line))
+        self.found.append({"who": who, "counter": counter, "bytes": cached, "message": line})
 
     def _fixture_changed(self, fixturedef: pytest.FixtureDef[Any], phase: str, change: int) -> None:
         """Report and undo what a fixture's setup or teardown did to the counter beyond the holds it owns."""
@@ -233,7 +218,7 @@ class CacheCheck:
         """After a test's teardown: the counter must be the holds live fixtures own, the cache empty at 0."""
         counter = cache.counter()
         keep = sum(_suspended(ref()) for refs in self.owned.values() for ref in refs)
-        if counter == keep and (keep != 0 or not cache.cached_tensors()):
+        if counter == keep and (keep != 0 or not getattr(cache.parametrize(), "_cache", None)):
             return
         orphans: list[Any] = []
         if counter > keep:
@@ -246,15 +231,13 @@ class CacheCheck:
             what, cause = "gave back a hold a live fixture took", _CAUSE_NEGATIVE
         else:
             what, cause = "left tensors in torch's parametrization cache", _CAUSE_CACHE
-        held = f" ({keep} held by live fixtures)" if keep else ""
-        self._report(nodeid, what, cause, keep, orphans, held)
+        self._report(nodeid, what, cause, keep, orphans, f" ({keep} held by live fixtures)" if keep else "")
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, Any, None]:
-        # Each report is made right after its phase: in the teardown's, every fixture that ended with this
-        # test has been finalised.
+        # Made right after its phase: in the teardown's, every fixture that ended with this test is finalised.
         if call.when == "teardown":
             with self._guard(f"after {item.nodeid}"):
                 self.check(item.nodeid)
@@ -268,20 +251,19 @@ class CacheCheck:
         if not found:
             return
         for leak in found:
-            value = {"who": leak.who, "counter": leak.counter, "bytes": leak.cached, "message": leak.line}
-            item.user_properties.append((PROPERTY, value))  # the test's later reports carry it too
+            item.user_properties.append((PROPERTY, leak))  # the test's later reports carry it too
             if call.when == "teardown":
-                report.user_properties.append((PROPERTY, value))
+                report.user_properties.append((PROPERTY, leak))
         if self.mode == WARN or not report.passed:
             try:
                 for leak in found:
-                    item.warn(ParametrizeCacheLeakWarning(leak.line))
+                    item.warn(ParametrizeCacheLeakWarning(leak["message"]))
                 return
             except Exception:  # -W error made the warning an error: report it as one
                 if not report.passed:
                     return
         report.outcome = "failed"
-        report.longrepr = "\n".join(leak.line for leak in found)
+        report.longrepr = "\n".join(leak["message"] for leak in found)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "teardown":
@@ -295,21 +277,20 @@ class CacheCheck:
         if hasattr(terminalreporter.config, "workerinput"):  # an xdist worker: the controller reports
             return
         # Fixtures finalised after the last test report (an interrupted run): their leaks are here only.
-        self.leaks += [(leak.who, "the end of the session", leak.counter, leak.cached) for leak in self.found]
+        self.leaks += [(x["who"], "the end of the session", x["counter"], x["bytes"]) for x in self.found]
+        write = terminalreporter.write_line
         terminalreporter.write_sep("=", "parametrize cache check")
         if not self.leaks:
-            terminalreporter.write_line("no test or fixture left torch's parametrization cache switched on")
+            write("no test or fixture left torch's parametrization cache switched on")
             return
         for who, nodeid, counter, cached in self.leaks:
             where = "" if who == nodeid else f", at {nodeid}"
-            terminalreporter.write_line(
-                f"LEAK {who}{where}: P._cache_enabled = {counter}, {cached} bytes cached"
-            )
+            write(f"LEAK {who}{where}: P._cache_enabled = {counter}, {cached} bytes cached")
         tests = sum(who == nodeid for who, nodeid, _, _ in self.leaks)
         kinds = ((tests, "test"), (len(self.leaks) - tests, "fixture"))
         counts = [f"{n} {noun}{'s' if n > 1 else ''}" for n, noun in kinds if n]
         total = sum(cached for _, _, _, cached in self.leaks)
-        terminalreporter.write_line(
+        write(
             f"{' and '.join(counts)} left torch's parametrization cache switched on, {total} bytes held in "
             f"all (released after each; mode {self.mode})"
         )

@@ -46,9 +46,8 @@ def _imports() -> tuple[Any, Any]:
 
     torch, problem = try_import("torch")
     if torch is None:
-        if missing("torch"):
-            raise CannotRunError(f"{problem}; install torch (and bitsandbytes>=0.48) to run the check")
-        raise CannotRunError(f"{problem}; repair the torch installation to run the check")
+        do = "install torch (and bitsandbytes>=0.48)" if missing("torch") else "repair the torch installation"
+        raise CannotRunError(f"{problem}; {do} to run the check")
     if torch_too_old(str(torch.__version__)):
         raise CannotRunError(
             f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} "
@@ -71,27 +70,22 @@ def _imports() -> tuple[Any, Any]:
     return torch, parametrize
 
 
-def _device(torch: Any, device: str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and getattr(torch.version, "cuda", None) is None:
-        raise CannotRunError(
-            f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without "
-            "CUDA support; run with --device cpu, or install a CUDA build of torch"
-        )
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CannotRunError(
-            "--device cuda was asked for, but no CUDA device is available here (check the driver "
-            "and CUDA_VISIBLE_DEVICES); run with --device cpu"
-        )
-    return device
-
-
 def run(device: str | None = None, steps: int = 4) -> CheckResult:
     """Train the synthetic model for ``steps`` steps and record the cache after each. Every failure
     is a :class:`CannotRunError`, so the exit status can never be mistaken for "leak observed"."""
     torch, parametrize = _imports()
-    device = _device(torch, device)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and getattr(torch.version, "cuda", None) is None:
+        raise CannotRunError(
+            f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without "
+            "CUDA support; run with --device cpu, or install a CUDA build of torch"
+        )
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise CannotRunError(
+            "--device cuda was asked for, but no CUDA device is available here (check the driver "
+            "and CUDA_VISIBLE_DEVICES); run with --device cpu"
+        )
     try:
         return _train(torch, parametrize, device, steps)
     except Exception as error:

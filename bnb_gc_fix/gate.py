@@ -2,29 +2,24 @@
 
 bitsandbytes 0.48-0.49 switch torch's parametrization cache on and off around every forward of a
 quantized module with a plain pair of hooks per parameter; a forward left by an exception skips the
-"off", so the cache is never emptied again. Each gate counts, per thread, the holds its pre-hook took
-and its forward hook has not given back (:class:`_Holds`), and changes torch's counter by the same
-amount: a gate's share of the counter is exactly what it holds. Its forward hook is always-called
-(also when the forward raises, as checkpointing's stopped recompute does); a hold a ``BaseException``
-left behind (no forward hook runs then) is found at the module's next forward on that thread
-(:func:`_walk`), and holds are given back when their module is collected, their thread ends, or a
-forked child drops their thread. The gate sits where the pair sat (pre-hook in the place of the first
-"on", forward hook in the place of the last "off"), pickles as the plain pair (:meth:`Gate.__reduce__`),
-and keeps what Dynamo cannot trace out of its traces (:func:`_eager_only`). A thread only touches its
-own counts; the counter's update has no call in it, which the GIL never interrupts (3.10 and later),
-and takes a lock on a free-threaded build.
+"off", so the cache is never emptied again. A gate counts, per thread, the holds its pre-hook took and
+its always-called forward hook has not given back (:class:`_Holds`), and moves torch's counter by as
+much. A hold a ``BaseException`` left is found at the module's next forward on that thread (:func:`_walk`);
+holds are given back when their module is collected, their thread ends, or a forked child drops it. The
+counter's update has no call in it (the GIL never interrupts it, 3.10+) and a lock on free-threaded builds.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib
 import os
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any, TypeVar, cast
 
 import torch
@@ -37,10 +32,10 @@ DISABLE_NAME = "_disable_parametrization_cache"
 ORIGIN = "bitsandbytes.nn.parametrize"
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
-# torch.compile runs `_call_impl` as a frame of Dynamo's transformed copy of its code (same name and
-# file) or of a resume function named after it; both are live calls of the module too.
+# torch.compile runs `_call_impl` as Dynamo's copy of its code (same name and file) or a resume function.
 _RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+_LOCK = threading.RLock()  # taken by the gate of a free-threaded build
 _frame = sys._getframe
 _F = TypeVar("_F", bound=Callable[..., Any])
 # True where Dynamo traces the caller (it folds the call to a constant), False elsewhere.
@@ -58,8 +53,7 @@ def _eager_only(function: _F) -> _F:
 
 
 class _Holds:
-    """One thread's holds on one gate, given back when it dies: its thread ended, its gate (module)
-    was collected, or a forked child dropped the thread it belonged to."""
+    """One thread's holds on one gate, given back when it dies (thread ended, module collected)."""
 
     __slots__ = ("__weakref__", "anchor", "anchor_depth", "anchor_n", "gate", "n", "thread")
 
@@ -67,8 +61,8 @@ class _Holds:
         self.n = 0
         self.gate = gate
         self.thread = threading.get_ident()
-        # The innermost live call that holds one of the first `anchor_n` holds, found by the last walk,
-        # and how deep it sat below the pre-hook: while it is on the stack, so are they (see _walk).
+        # The innermost live call holding the first `anchor_n` holds, and its depth below the pre-hook
+        # at the last walk: while it is on the stack, so are they (see _walk).
         self.anchor: FrameType | None = None
         self.anchor_n = 0
         self.anchor_depth = 0
@@ -92,10 +86,8 @@ _HOLDS: weakref.WeakSet[_Holds] = weakref.WeakSet()  # every thread's holds on e
 def _every_holds() -> list[_Holds]:
     """A snapshot of :data:`_HOLDS`, which another thread's first forward of a gate may add to."""
     while True:
-        try:
+        with contextlib.suppress(RuntimeError):  # "Set changed size during iteration": take it again
             return list(_HOLDS)
-        except RuntimeError:  # "Set changed size during iteration": take it again
-            continue
 
 
 class _PerThread(threading.local):
@@ -148,17 +140,13 @@ class Gate:
         if held:
             holds.n = held - 1
             if held <= holds.anchor_n:  # the anchored call has ended: let its frame go
-                holds.anchor = None
-                holds.anchor_n = 0
+                holds.anchor, holds.anchor_n = None, 0
             remaining = P._cache_enabled - 1
             if remaining > 0:
                 P._cache_enabled = remaining
             else:
                 P._cache_enabled = 0
                 P._cache = {}
-
-
-_LOCK = threading.RLock()
 
 
 class _LockedGate(Gate):
@@ -176,11 +164,10 @@ class _LockedGate(Gate):
 
 
 def _after_fork_in_child() -> None:
-    """A forked child has one thread: give back every other thread's holds (the interpreter drops
-    their thread-local holds itself; this also covers one that a paused frame still refers to)."""
+    """A forked child has one thread: give back every other thread's holds (also one a frame keeps)."""
     global _LOCK
     _LOCK = threading.RLock()  # never wait on a lock one of the parent's threads held
-    try:
+    with contextlib.suppress(Exception):  # never disturb a fork
         me = threading.get_ident()
         for holds in _every_holds():
             if holds.thread != me:
@@ -188,8 +175,6 @@ def _after_fork_in_child() -> None:
                 holds.forget_anchor()
                 if held:
                     cache.give_back(held)
-    except Exception:  # never disturb a fork
-        pass
 
 
 if hasattr(os, "register_at_fork"):
@@ -198,20 +183,15 @@ if hasattr(os, "register_at_fork"):
 _GATE: type[Gate] = Gate if _GIL else _LockedGate
 
 
-def _is_call_impl(code: CodeType) -> bool:
-    """Whether a frame's code is ``Module._call_impl``, as eager torch or torch.compile runs it."""
-    if code is _CALL_IMPL:
-        return True
-    if code.co_filename != _CALL_IMPL.co_filename:
-        return False
-    return code.co_name == _CALL_IMPL.co_name or code.co_name.startswith(_RESUME_PREFIX)
-
-
 def _calls_on_this_thread(frame: FrameType | None) -> Iterator[tuple[int, FrameType]]:
-    """Every ``Module._call_impl`` frame from ``frame`` down, innermost first, with its depth below it."""
+    """Every ``Module._call_impl`` frame (eager or compiled) from ``frame`` down, with its depth below it."""
     depth = 0
     while frame is not None:
-        if _is_call_impl(frame.f_code):
+        code = frame.f_code
+        if code is _CALL_IMPL or (
+            code.co_filename == _CALL_IMPL.co_filename
+            and (code.co_name == _CALL_IMPL.co_name or code.co_name.startswith(_RESUME_PREFIX))
+        ):
             yield depth, frame
         frame = frame.f_back
         depth += 1
@@ -219,14 +199,10 @@ def _calls_on_this_thread(frame: FrameType | None) -> Iterator[tuple[int, FrameT
 
 @_eager_only
 def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> None:
-    """Give back this thread's holds on ``module`` that no live call of it on this thread owns.
-
-    Called by the pre-hook (whose frame is ``start``) when the thread already holds the module: a
-    self-call (live) or a call left by a BaseException (stale). The stack is read from the top down
-    only until every hold is accounted for. The innermost holding call is remembered with its depth:
-    while the holds stay the same and that frame is still there, every hold is live, so a module that
-    calls itself again and again is walked once, not once per call.
-    """
+    """Give back this thread's holds on ``module`` that no live call of it on this thread owns: called
+    by the pre-hook (frame ``start``) on a self-call (live) or after a BaseException (stale). The stack
+    is read down only until every hold is accounted for, and the innermost holding call kept with its
+    depth (the anchor), so a module that calls itself again and again is walked once, not per call."""
     held = holds.n
     holds.forget_anchor()
     if start is None:  # called where torch.compile traces the pre-hook: depths count from its caller
@@ -240,9 +216,7 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> No
             if live >= held:
                 holds.anchor_n = held
                 return
-    live = max(live, 0)
-    holds.anchor_n = live  # the anchor, if one was found, is the innermost of these live holds
-    holds.n = live
+    holds.n = holds.anchor_n = live = max(live, 0)  # the anchor, if found, is the innermost of these
     cache.give_back(held - live)
 
 
@@ -251,17 +225,12 @@ def _is_gate_hook(hook: object) -> bool:
 
 
 def gate_of(module: torch.nn.Module) -> Gate | None:
-    """The gate installed on ``module``, if any."""
-    for hook in module._forward_pre_hooks.values():
-        owner = getattr(hook, "__self__", None)
-        if isinstance(owner, Gate):
-            return owner
-    return None
+    owners = (getattr(hook, "__self__", None) for hook in module._forward_pre_hooks.values())
+    return next((owner for owner in owners if isinstance(owner, Gate)), None)
 
 
 def _named(hook: object, name: str) -> bool:
-    # bitsandbytes' functions, wrapt wrappers of them (which forward __name__), and look-alike
-    # copies in other libraries (axolotl's moe_quant defines functions of the same names).
+    # bitsandbytes' functions, wrapt wrappers of them, and look-alikes (axolotl's moe_quant).
     return getattr(hook, "__name__", None) == name and not _is_gate_hook(hook)
 
 
@@ -275,8 +244,7 @@ def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
 
 
 class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
-    """A module's ``_forward_hooks_always_called`` that pickles without the gate's entry where the pair
-    it replaced was plain, so a pickled module holds exactly the pair it had before the fix."""
+    """``_forward_hooks_always_called``, pickled without the gate's entry where the old pair was plain."""
 
     __slots__ = ("plain",)
 
@@ -293,8 +261,7 @@ class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
 
 def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
     """Put ``hook`` where the first (or last) of ``keys`` is in ``hooks`` and drop the others."""
-    wanted = set(keys)
-    order = [key for key in hooks if key in wanted]
+    order = [key for key in hooks if key in keys]
     keep = order[0] if first else order[-1]
     for key in order:
         if key != keep:
@@ -304,23 +271,15 @@ def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: boo
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
-    """Replace every plain cache-gate pair on ``module`` with its one gate, in the pair's places.
-
-    Returns whether the module changed. A module without an enable hook is left alone (so a second
-    call changes nothing), and so is one whose pairs are already right (each disable hook
-    always-called: bitsandbytes 0.50, axolotl 0.20), unless ``replace_always_called`` (force).
-    """
+    """Replace every plain cache-gate pair on ``module`` with its one gate, in the pair's places;
+    returns whether the module changed. A module without an enable hook is left alone, and so is one
+    whose pairs are right (disables always-called: bitsandbytes 0.50) unless ``replace_always_called``."""
     enables, disables, always_called = cache_hooks(module)
-    if not enables:
+    if not enables or (always_called and len(disables) == len(enables) and not replace_always_called):
         return False
-    if always_called and len(disables) == len(enables) and not replace_always_called:
-        return False
-    gate = gate_of(module)
-    if gate is None:
-        first = module._forward_pre_hooks[enables[0]]
-        gate = _GATE(getattr(first, "__module__", None) or ORIGIN)
-    enter, leave = gate._enable_parametrization_cache, gate._disable_parametrization_cache
     pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+    gate = gate_of(module) or _GATE(getattr(pre_hooks[enables[0]], "__module__", None) or ORIGIN)
+    enter, leave = gate._enable_parametrization_cache, gate._disable_parametrization_cache
     ours = [key for key, hook in pre_hooks.items() if _is_gate_hook(hook)]
     kept = _take_place(pre_hooks, ours + enables, enter, first=True)
     for key in enables + ours:
@@ -343,21 +302,16 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
 
 
 def convert_at_forward(module: Any, replace_always_called: bool = False) -> bool:
-    """For the wrapped enable function, called as a pre-hook: turn a plain pair into a gate.
-
-    A module quantized elsewhere, or loaded from a pickle, holds the plain pair until its first
-    forward here. Returns True when the call is taken care of (the gate took this forward's hold, or
-    the module's own gate runs in this forward), False when the wrapped function should run as it is.
-    """
+    """For the wrapped enable function, called as a pre-hook: turn a plain pair (a module quantized
+    elsewhere, or unpickled) into a gate. Returns True when the gate takes this forward's hold, False
+    when the wrapped function should run as it is."""
     if not isinstance(module, torch.nn.Module):
         return False
-    if gate_of(module) is not None:
-        # A call from the snapshot of pre-hooks torch took before a conversion, or from a plain pair
-        # registered beside the gate: the gate's own pre-hook takes the hold.
-        install(module, replace_always_called)
-        return True
-    if not install(module, replace_always_called):
-        return False
+    # Already gated: a call from the snapshot of pre-hooks torch took before a conversion, or from a
+    # plain pair registered beside the gate; the gate's own pre-hook takes the hold.
+    gated = gate_of(module) is not None
+    if not install(module, replace_always_called) or gated:
+        return gated
     cast(Gate, gate_of(module))._enable_parametrization_cache(module, ())
     return True
 
@@ -372,30 +326,20 @@ def clamped_disable(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: 
 
 @_eager_only
 def release_left_behind(added: int) -> int:
-    """Give back at most ``added`` holds that nothing live owns; returns how many it gave back.
-
-    For the safety nets (``guard()``, the Trainer callback, the notebook cell-end release), which pass
-    how much the counter rose during their step or cell: older holds are never theirs to give. First
-    this thread's stale gate holds (no call of their module on this thread's stack: a forward left by a
-    ``BaseException``), then holds no gate accounts for (a plain pair that lost its "off"). Other
-    threads' gate holds belong to their live calls, and the counter never goes below zero.
-    """
+    """Give back at most ``added`` holds (the rise during a safety net's step or cell) that nothing live
+    owns; returns how many. First this thread's gate holds with no call of their module on its stack,
+    then holds no gate accounts for (a plain pair that lost its "off"); never other threads' gate holds."""
     counter = cache.counter()
     budget = min(added, counter)
     if budget <= 0:
         return 0
-    live: dict[Gate, int] = {}
-    for _, frame in _calls_on_this_thread(_frame()):
-        module = frame.f_locals.get("self")
-        gate = gate_of(module) if isinstance(module, torch.nn.Module) else None
-        if gate is not None:
-            live[gate] = live.get(gate, 0) + 1
-    me = threading.get_ident()
-    released = 0
+    modules = (frame.f_locals.get("self") for _, frame in _calls_on_this_thread(_frame()))
+    live = collections.Counter(gate_of(m) for m in modules if isinstance(m, torch.nn.Module))
+    me, released = threading.get_ident(), 0
     everyone = _every_holds()
     for holds in everyone:
         gate = holds.gate()
-        stale = holds.n - (live.get(gate, 0) if gate is not None else 0)
+        stale = holds.n - (live[gate] if gate is not None else 0)
         if holds.thread == me and stale > 0 and released < budget:
             take = min(stale, budget - released)
             holds.n -= take

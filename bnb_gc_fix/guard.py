@@ -19,12 +19,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def check_and_release(strict: bool = False, start: int = 0) -> int:
-    """Release what the step left switched on, and say so; returns the holds released.
-
-    ``start`` is the counter when the step began: only holds added since, and owned by no call still
-    running on any thread, are released (:func:`bnb_gc_fix.gate.release_left_behind`). Silent when
-    nothing was left behind; with ``strict=True`` it raises :class:`CacheLeakError` after releasing.
-    """
+    """Release the holds added since the counter was ``start`` that no running call owns, and say so
+    (``strict=True``: raise :class:`CacheLeakError` after releasing); returns the holds released."""
     end = cache.counter()
     if end <= max(start, 0):  # nothing added, or nothing held (torch's parametrize not imported: 0)
         return 0
@@ -47,14 +43,9 @@ def check_and_release(strict: bool = False, start: int = 0) -> int:
 
 
 class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: `with guard():`)
-    """Context manager and decorator around one training step.
-
-    On exit, the holds the step added to torch's parametrization cache counter that no running call
-    owns are released, logged and reported with one :class:`CacheLeakWarning` (with ``strict=True``, a
-    :class:`CacheLeakError` after releasing). Silent when nothing is left behind; an exception leaving
-    the step is never replaced by ours. Decorating a function that ``torch.compile`` compiles (also
-    with ``fullgraph=True``), the check runs around the compiled call, outside the trace.
-    """
+    """Context manager and decorator around one training step: on exit, :func:`check_and_release` of
+    what the step added (``strict`` only when no exception leaves the step: ours never replaces it).
+    Around a function ``torch.compile`` compiles (also ``fullgraph=True``), it runs outside the trace."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
@@ -75,17 +66,11 @@ class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: 
             with self:
                 return function(*args, **kwargs)
 
-        return cast(_F, _outside_traces(guarded))
+        # Dynamo skips this one frame (the `with`, which it cannot trace) and still compiles what it
+        # calls; only where torch is already imported (this never imports it).
+        if "torch" in sys.modules:
+            with contextlib.suppress(Exception):  # a torch without Dynamo: nothing to keep out
+                from torch._dynamo.decorators import skip
 
-
-def _outside_traces(function: _F) -> _F:
-    """Let Dynamo skip this one frame (the guard's ``with``, which it cannot trace) and still compile
-    what it calls. Only where torch is already imported (this never imports it)."""
-    if "torch" not in sys.modules:
-        return function
-    try:
-        from torch._dynamo.decorators import skip
-
-        return cast(_F, skip(function))
-    except Exception:  # a torch without Dynamo: nothing to keep out
-        return function
+                return cast(_F, skip(guarded))
+        return cast(_F, guarded)

@@ -1,15 +1,13 @@
 """The cell-end release: in IPython and Jupyter, a cell that fails never leaves the cache switched on.
 
-A notebook's stop button raises ``KeyboardInterrupt`` inside whatever runs, usually a forward, and
-torch runs no forward hook then, on every bitsandbytes from 0.48 on. Callbacks registered with the
-running IPython shell (found in ``sys.modules``: IPython is never imported) check each cell's end:
-what a failed cell added is released as far as no running call owns it; a cell that succeeded keeps
-what it holds (perhaps on purpose), pointed out once per counter value; a counter below zero (a hold
-given back twice) is put back to zero. Each says so in one line on stderr.
+A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, which skips its forward hooks.
+At each cell's end (IPython's callbacks; IPython is never imported), what a failed cell added and no
+running call owns is released, what a cell that succeeded holds is pointed out, a counter below 0 reset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any
@@ -31,25 +29,18 @@ class _Registration:
 _registration = _Registration()
 
 
-def _shell() -> Any:
-    """The running IPython shell, or None (outside IPython, or IPython imported without a shell)."""
-    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
-    shell = get_ipython() if get_ipython is not None else None
-    return shell if getattr(shell, "events", None) is not None else None
-
-
 def install() -> bool:
     """Register the callbacks with the running IPython shell, once. Returns whether they are registered."""
-    try:
-        shell = _shell()
-        if shell is None:
+    try:  # the running IPython shell (None outside IPython, or IPython imported without a shell)
+        get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+        shell: Any = get_ipython() if get_ipython is not None else None
+        if getattr(shell, "events", None) is None:
             return installed()
-        if _registration.shell is shell:
-            return True
-        remove()
-        shell.events.register(BEFORE, _before_cell)
-        shell.events.register(EVENT, _after_cell)
-        _registration.shell = shell
+        if _registration.shell is not shell:
+            remove()
+            shell.events.register(BEFORE, _before_cell)
+            shell.events.register(EVENT, _after_cell)
+            _registration.shell = shell
         return True
     except Exception as error:  # a shell we do not understand: the fix goes on without the release
         logger.debug("cell-end release not installed: %s: %s", type(error).__name__, error)
@@ -57,13 +48,10 @@ def install() -> bool:
 
 
 def remove() -> None:
-    """Unregister the callbacks, if registered."""
     shell, _registration.shell = _registration.shell, None
     for event, callback in ((BEFORE, _before_cell), (EVENT, _after_cell)):
-        try:
+        with contextlib.suppress(Exception):  # no shell, or already gone (the user cleared the events)
             shell.events.unregister(event, callback)
-        except Exception:  # no shell, or already gone (the user cleared the events)
-            pass
 
 
 def installed() -> bool:
@@ -77,26 +65,15 @@ def installed() -> bool:
 def _say(message: str, level: int) -> None:
     """Log, and print to stderr: the ``bnb_gc_fix`` logger's NullHandler shows nothing in a notebook."""
     logger.log(level, message)
-    try:
+    with contextlib.suppress(Exception):  # a closed or odd stderr
         print(f"bnb_gc_fix: {message}", file=sys.stderr, flush=True)
-    except Exception:  # a closed or odd stderr
-        pass
 
 
 def _before_cell(info: Any = None) -> None:
     """``pre_run_cell`` callback: remember the counter the cell starts with; never raises."""
-    try:
+    _registration.start = 0
+    with contextlib.suppress(Exception):
         _registration.start = cache.counter()
-    except Exception:
-        _registration.start = 0
-
-
-def _after_cell(result: Any = None) -> None:
-    """``post_run_cell`` callback; never raises into the shell."""
-    try:
-        _check(result)
-    except Exception as error:
-        logger.debug("cell-end release failed: %s: %s", type(error).__name__, error)
 
 
 def _note(count: int) -> None:
@@ -111,35 +88,38 @@ def _note(count: int) -> None:
         )
 
 
-def _check(result: Any) -> None:
-    count = cache.counter()  # 0 while torch's parametrize is not imported: nothing can be held
-    if count < 0:
-        # A `P.cached()` held by hand and released by us (or by reset()) was exited later: torch reads
-        # any non-zero counter as on and would never empty the cache again.
-        cache.reset()
+def _after_cell(result: Any = None) -> None:
+    """``post_run_cell`` callback; never raises into the shell."""
+    try:
+        count = cache.counter()  # 0 while torch's parametrize is not imported: nothing can be held
+        if count < 0:
+            # A `P.cached()` exited after we (or reset()) released it: torch would never empty the cache.
+            cache.reset()
+            _say(
+                f"torch's parametrization cache counter was {count} (a hold given back twice, "
+                "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
+                logging.WARNING,
+            )
+        if count <= 0:
+            _registration.noted = None
+            return
+        error = getattr(result, "error_in_exec", None)
+        if error is None:  # succeeded, or never ran (a syntax error): the cell did not skip a hook
+            _note(count)
+            return
+        from bnb_gc_fix import gate
+
+        cached = cache.cached_bytes()
+        released = gate.release_left_behind(count - max(_registration.start, 0))
+        if not released:  # older than this cell, or owned by a running call: not ours to give back
+            _note(count)
+            return
+        _registration.noted = None
         _say(
-            f"torch's parametrization cache counter was {count} (a hold given back twice, "
-            "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
+            f"released {released} of torch's parametrization cache holds (counter {count} -> "
+            f"{cache.counter()}, {cached} bytes cached), left switched on by this cell's "
+            f"{type(error).__name__}: {cache.CAUSE}.",
             logging.WARNING,
         )
-    if count <= 0:
-        _registration.noted = None
-        return
-    error = getattr(result, "error_in_exec", None)
-    if error is None:  # succeeded, or never ran (a syntax error): the cell did not skip a hook
-        _note(count)
-        return
-    from bnb_gc_fix import gate
-
-    cached = cache.cached_bytes()
-    released = gate.release_left_behind(count - max(_registration.start, 0))
-    if not released:  # older than this cell, or owned by a running call: not ours to give back
-        _note(count)
-        return
-    _registration.noted = None
-    _say(
-        f"released {released} of torch's parametrization cache holds (counter {count} -> "
-        f"{cache.counter()}, {cached} bytes cached), left switched on by this cell's "
-        f"{type(error).__name__}: {cache.CAUSE}.",
-        logging.WARNING,
-    )
+    except Exception as failure:
+        logger.debug("cell-end release failed: %s: %s", type(failure).__name__, failure)

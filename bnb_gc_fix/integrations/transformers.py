@@ -17,9 +17,8 @@ from bnb_gc_fix.guard import check_and_release
 
 
 class LeakGuardCallback(TrainerCallback):
-    """Release, at each step's end, the holds the step added and no running call owns, as
-    :class:`bnb_gc_fix.guard` does (``strict=True``: :class:`bnb_gc_fix.CacheLeakError`, stopping the
-    run). ``released`` counts the holds released over the run."""
+    """Run :func:`bnb_gc_fix.guard.check_and_release` at each step's end (``strict=True``: a
+    :class:`bnb_gc_fix.CacheLeakError` stops the run); ``released`` counts the holds released."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
