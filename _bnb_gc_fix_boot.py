@@ -4,11 +4,14 @@ It lives outside the ``bnb_gc_fix`` package on purpose: importing the package pu
 packaging (tens of milliseconds). Importing this file touches only ``os``, ``sys`` and ``_thread``,
 which the interpreter has loaded by the time ``site`` processes ``.pth`` files.
 
-At start-up it reads ``BNB_GC_FIX`` and, unless that switches the fix off, puts a finder first on
-``sys.meta_path`` that changes nothing any import finds. When bitsandbytes' code is about to run, the
-finder imports ``bnb_gc_fix``, whose import activates the fix. The same finder is the package's one way
-of watching imports (:func:`when_imported`), and this module is the one place that knows the
-``BNB_GC_FIX`` vocabulary.
+The path from interpreter start to a gated module: (1) :func:`install` reads ``BNB_GC_FIX`` and, unless
+it switches the fix off, inserts a :class:`BitsandbytesWatcher` at the front of ``sys.meta_path``;
+(2) when bitsandbytes' code is about to run, the watcher's loader imports ``bnb_gc_fix``, whose last
+line activates the fix (``bnb_gc_fix/activation.py``); (3) activation asks :func:`when_imported` to call
+back once ``bitsandbytes.nn.parametrize`` has run, then decides (``decide.py``) and wraps its functions
+(``patch.py``); (4) every module quantized from then on gets a gate (``gate.py``). Every failure on this
+path is silent here; ``bnb-gc-fix status`` says what happened. This module is also the one place that
+knows the ``BNB_GC_FIX`` vocabulary.
 """
 
 # No `from __future__ import annotations`: the __future__ module is not loaded at start-up, and
@@ -58,9 +61,10 @@ def forces(mode: str) -> bool:
 
 
 class BitsandbytesWatcher:
-    """A meta-path finder: for a watched module it asks the finders after it, in order, exactly as the
-    import system would, and returns their spec with its loader wrapped (:class:`_WatchingLoader`). It
-    never changes what an import finds, nor ``sys.meta_path`` (the import system may be iterating it).
+    """A meta-path finder: for a watched module (bitsandbytes, and the modules the package patches) it
+    asks the finders after it, in order, exactly as the import system would, and returns their spec with
+    its loader wrapped (:class:`_WatchingLoader`). It never changes what an import finds, and never
+    changes ``sys.meta_path`` while finding (the import system may be iterating it).
     The fix activates when that loader executes bitsandbytes, by whatever path (``import``,
     ``importlib.util.LazyLoader``, ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
     transformers does) activates nothing. ``via`` is None for the package's own watcher."""
@@ -176,12 +180,16 @@ if hasattr(os, "register_at_fork"):
 
 
 def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
-    """Call ``callback(name)`` once the watched module ``name`` has run to its end through a watcher's
-    loader: the import under way now, else the next one (after a failed import, the one after). A watcher
-    is put first on ``sys.meta_path`` if none is first there (as wrapt's post-import hooks put theirs).
-    False when ``name`` is being imported right now by a loader no watcher wraps: the callback is then
-    never called. Callbacks must not raise (what they raise is dropped); one registered twice runs once.
+    """Call ``callback(name)`` once the watched module ``name`` (one of ``_WATCHED``) has run to its end
+    through a watcher's loader: the import under way now, else the next one (after a failed import, the
+    one after). A watcher is inserted first on ``sys.meta_path`` if the first finder is not one (another
+    finder put in front of the start-up hook's may answer for the module; wrapt's post-import hooks do
+    the same). False, and the callback is never called, when ``name`` is imported already, or being
+    imported by a loader no watcher wraps. Callbacks must not raise (what they raise is dropped); one
+    registered twice runs once.
     """
+    if name not in _WATCHED:
+        return False
     with _LOCK:
         if name in sys.modules and name not in _EXECUTING:
             return False

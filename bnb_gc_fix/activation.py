@@ -42,7 +42,7 @@ class Library:
 
     def __init__(self, target: Target) -> None:
         self.target = target
-        self.state = State.SKIPPED
+        self.state = State.SKIPPED  # until the first activation, which sets every library's state
         self.reason = "not activated"
         self._verdict: tuple[weakref.ref[ModuleType], decide.Verdict] | None = None
         self.warned = False
@@ -91,8 +91,8 @@ class _Process:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.libraries = {target.module: Library(target) for target in TARGETS}
-        self.switch = os.environ.get(boot.VARIABLE)
-        self.mode = boot.parse(self.switch)[0]
+        self.switch: str | None = None  # BNB_GC_FIX as the last activation read it (`read_switch`)
+        self.mode = boot.AUTO
         self.via: str | None = None
         self.warned_switch = False
 

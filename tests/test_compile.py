@@ -61,19 +61,23 @@ def test_compiled_programs_heal_like_eager_with_every_backend(backend: str) -> N
         assert fixed["loop"]["counters"] == control["loop"]["counters"] == [0, 0, 0, 0]
 
 
-def _without_dynamo_races(switch: str | None) -> dict[str, Any]:
-    """One run of the two-thread trigger that Dynamo's own races spared (they hit the control too),
-    tried up to 3 times; any other error fails at once."""
-    for _ in range(3):
+def _without_dynamo_races(switch: str | None, tries: int = 4) -> dict[str, Any] | None:
+    """One run of the two-thread trigger that Dynamo's own races spared (they hit the control too), tried
+    up to ``tries`` times (None: every try raced); any other error fails at once."""
+    for _ in range(tries):
         run = _summaries("threads", "eager", switch)["threads"]
         assert all(any(race in error for race in DYNAMO_RACES) for error in run["errors"]), run["errors"]
         if not run["errors"]:
             return run
-    pytest.fail(f"Dynamo's own recompile races hit 3 runs in a row (BNB_GC_FIX={switch!r})")
+    return None
 
 
 def test_compiled_model_served_from_two_threads_ends_no_worse_than_the_control() -> None:
-    fixed, control = _without_dynamo_races(FIX), _without_dynamo_races("0")
+    control = _without_dynamo_races("0")
+    if control is None:  # the rule for hostile hosts: where the control runs, the fix runs too
+        pytest.skip("Dynamo's own recompile races (torch's, not ours) hit every run of the control")
+    fixed = _without_dynamo_races(FIX)
+    assert fixed is not None, "Dynamo's races hit every run with the fix, while a control run was spared"
     assert fixed["counters"] == [0] * len(fixed["counters"])
     assert fixed["cache_entries"] == 0
     assert fixed["outputs"] == control["outputs"]
