@@ -61,3 +61,8 @@ def reset(keep: int = 0) -> int:
         if keep <= 0:
             module._cache = {}
     return max(before - max(keep, 0), 0)
+
+
+def gil_enabled() -> bool:
+    """False on a free-threaded Python running without the GIL: the counter's update is then not atomic."""
+    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())

@@ -87,19 +87,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _fix_state() -> str:
-    """Whether bnb-gc-fix was patching in this process, without importing it."""
-    switch = os.environ.get("BNB_GC_FIX")
-    switch_text = "BNB_GC_FIX unset" if switch is None else f"BNB_GC_FIX={switch!r}"
+    """Whether bnb-gc-fix was patching in this process, without importing it: its own status() where the
+    process imported it (the switch as its activation read it), else the environment's switch."""
     status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
     if status is None:
-        return f"bnb-gc-fix: not loaded in this process ({switch_text})"
+        switch = os.environ.get("BNB_GC_FIX")
+        return f"bnb-gc-fix: not loaded in this process ({_switch_text(switch)})"
     try:
-        state = str(status().state)
+        now = status()
     except Exception as error:  # a report line must never break the run
         return f"bnb-gc-fix: status unknown ({type(error).__name__})"
-    if state == "patched":
+    if now.state == "patched":
         return "bnb-gc-fix: patching"
-    return f"bnb-gc-fix: not patching ({state}; {switch_text})"
+    return f"bnb-gc-fix: not patching ({now.state}; {_switch_text(now.switch)})"
+
+
+def _switch_text(switch: str | None) -> str:
+    return "BNB_GC_FIX unset" if switch is None else f"BNB_GC_FIX={switch!r}"
 
 
 def _suspended(generator: Any) -> bool:

@@ -34,7 +34,7 @@ ORIGIN = "bitsandbytes.nn.parametrize"
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 # torch.compile runs `_call_impl` as Dynamo's copy of its code (same name and file) or a resume function.
 _RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+_GIL = cache.gil_enabled()
 _LOCK = threading.RLock()  # taken by the gate of a free-threaded build
 _frame = sys._getframe
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -271,9 +271,10 @@ def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: boo
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
-    """Replace every plain cache-gate pair on ``module`` with its one gate, in the pair's places;
-    returns whether the module changed. A module without an enable hook is left alone, and so is one
-    whose pairs are right (disables always-called: bitsandbytes 0.50) unless ``replace_always_called``."""
+    """Replace every plain cache pair (bitsandbytes' or a copy's) on ``module`` with its one gate, in the
+    pair's places; returns whether the module changed. A module without an enable hook is left alone, and
+    so is one whose pairs are right (disables always-called: bitsandbytes 0.50) unless
+    ``replace_always_called``."""
     enables, disables, always_called = cache_hooks(module)
     if not enables or (always_called and len(disables) == len(enables) and not replace_always_called):
         return False

@@ -166,11 +166,6 @@ def _missing(name: str, errors: Mapping[str, str]) -> str:
     return "(not imported)"
 
 
-def gil_enabled() -> bool:
-    """False on a free-threaded build running without the GIL."""
-    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
-
-
 def _state(library: Library, version: str | None) -> tuple[State, str]:
     """One library's state and sentence, from what its module shows right now."""
     state = library.state
@@ -263,6 +258,6 @@ def status() -> Status:
         via=_via(),
         startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
-        gil=gil_enabled(),
+        gil=cache.gil_enabled(),
         import_errors=installed.failures(),
     )
