@@ -113,12 +113,8 @@ class _Process:
 process = _Process()
 
 
-def _renew_lock() -> None:
-    process.lock = threading.RLock()  # a forked child never waits on a lock a parent thread held
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_lock)
+if hasattr(os, "register_at_fork"):  # a forked child never waits on a lock a parent thread held
+    os.register_at_fork(after_in_child=lambda: setattr(process, "lock", threading.RLock()))
 
 
 _OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
@@ -223,9 +219,10 @@ def activate(*, via: str = "activate()") -> None:
     try:
         with process.lock:
             if process.read_switch() == boot.OFF:
+                off = f"{boot.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
                 for library in process.libraries.values():
                     if not library.applied():  # an earlier patch stays until deactivate()
-                        library.set(State.OFF, disabled_reason(process.switch))
+                        library.set(State.OFF, f"disabled by the environment: {off}")
                 return
             if process.via is None or not on():
                 process.via = via
@@ -258,10 +255,6 @@ def on() -> bool:
     """Something is patched or armed (what ``status().via`` is reported for)."""
     armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
     return armed or any(library.applied() for library in process.libraries.values())
-
-
-def disabled_reason(switch: str | None) -> str:
-    return f"disabled by the environment: {boot.VARIABLE}={switch!r} switches the fix off; nothing patched"
 
 
 def _armed(name: str) -> str:

@@ -57,10 +57,6 @@ def _enable_wrapper(replace_always_called: bool) -> _WrapperFunction:
     return wrapper
 
 
-def _disable_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return gate.clamped_disable(wrapped, args, kwargs)
-
-
 def _wrappers(
     module: ModuleType, target: Target, replace_always_called: bool = False
 ) -> dict[str, _WrapperFunction]:
@@ -68,7 +64,7 @@ def _wrappers(
     if hasattr(module, gate.ENABLE_NAME):
         wrappers[gate.ENABLE_NAME] = _enable_wrapper(replace_always_called)
     if target.clamp is not None:
-        wrappers[target.clamp] = _disable_wrapper
+        wrappers[target.clamp] = gate.clamped_disable
     return wrappers
 
 

@@ -19,12 +19,8 @@ SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_s
 
 
 def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) with our sitecustomize first on PYTHONPATH.
-
-    Nothing else on ``PYTHONPATH`` changes: its order, and empty entries, which Python reads as
-    the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` with it unset leaves one), stay
-    as they were. Only an earlier copy of our own entry (a runner inside a runner) is dropped.
-    """
+    """``base`` (default: ``os.environ``) with our sitecustomize first on PYTHONPATH, the rest as it was
+    (order, and empty entries, which Python reads as the current directory), less an earlier copy of ours."""
     env = dict(os.environ if base is None else base)
     existing = env.get("PYTHONPATH", "")
     entries = [SITECUSTOMIZE_DIR]

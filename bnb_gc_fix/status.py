@@ -247,7 +247,7 @@ def status() -> Status:
         libraries=tuple(
             _library(library)
             for library in process.libraries.values()
-            if library.target is BITSANDBYTES or library.decided or library.target.imported()
+            if library.target is BITSANDBYTES or library.decided or library.target.name in sys.modules
         ),
         torch=decide.torch_version(),
         counter=counter,

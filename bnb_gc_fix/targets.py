@@ -52,10 +52,6 @@ class Target:
         version = getattr(sys.modules.get(self.name), "__version__", None)
         return None if version is None else str(version)
 
-    def imported(self) -> bool:
-        """Whether the program has imported the library (not necessarily :attr:`module`)."""
-        return self.name in sys.modules
-
 
 BITSANDBYTES = Target(
     name="bitsandbytes",
