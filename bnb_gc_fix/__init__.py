@@ -1,8 +1,7 @@
 """bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking under gradient checkpointing.
 
-Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public
-API is small: :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`,
-:func:`reset`, :class:`guard`, and the :class:`Status` they report with.
+Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public API:
+:func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`, :func:`reset`, :class:`guard`.
 """
 
 from __future__ import annotations

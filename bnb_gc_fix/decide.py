@@ -94,10 +94,8 @@ def _signature_problem(target: Target, module: ModuleType) -> str | None:
         required = [p for p in positional if p.default is p.empty]
         if len(required) > arity or len(positional) < arity:
             names = ", ".join(p.name for p in positional)
-            return (
-                f"{target.module}.{name}({names}) does not take the "
-                f"{arity} positional arguments this fix expects"
-            )
+            expected = f"{arity} positional arguments this fix expects"
+            return f"{target.module}.{name}({names}) does not take the {expected}"
     return None
 
 

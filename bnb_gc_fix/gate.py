@@ -27,8 +27,7 @@ import torch.nn.utils.parametrize as P
 
 import _bnb_gc_fix_cache as cache
 
-ENABLE_NAME = "_enable_parametrization_cache"
-DISABLE_NAME = "_disable_parametrization_cache"
+ENABLE_NAME, DISABLE_NAME = "_enable_parametrization_cache", "_disable_parametrization_cache"
 ORIGIN = "bitsandbytes.nn.parametrize"
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -87,8 +86,6 @@ def _every_holds() -> list[_Holds]:
 
 
 class _PerThread(threading.local):
-    holds: _Holds
-
     def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
         self.holds = _Holds(gate)
         _HOLDS.add(self.holds)

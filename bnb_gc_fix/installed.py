@@ -1,9 +1,6 @@
-"""What is installed, and what imports: a broken install is named as broken, never as missing.
-
-The doctor (``bnb-gc-fix status`` and ``check``) imports torch, bitsandbytes and the look-alike
-libraries exactly when a user's machine is least healthy: a bitsandbytes that raises
-``RuntimeError("CUDA Setup failed ...")`` or an ``OSError`` for a missing CUDA library at import
-is installed, and failing. Every import here catches whatever the import raises.
+"""What is installed, and what imports, for ``bnb-gc-fix status`` and ``check``: a broken install (a
+bitsandbytes raising ``RuntimeError("CUDA Setup failed ...")`` or an ``OSError`` for a missing CUDA
+library at import) is named as broken, never as missing. Every import here catches whatever it raises.
 """
 
 from __future__ import annotations
