@@ -61,12 +61,10 @@ def forces(mode: str) -> bool:
 
 
 class BitsandbytesWatcher:
-    """A meta-path finder: for a watched module (bitsandbytes, and the modules the package patches) it
-    asks the finders after it, in order, exactly as the import system would, and returns their spec with
-    its loader wrapped (:class:`_WatchingLoader`). It never changes what an import finds, and never
-    changes ``sys.meta_path`` while finding (the import system may be iterating it).
-    The fix activates when that loader executes bitsandbytes, by whatever path (``import``,
-    ``importlib.util.LazyLoader``, ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
+    """A meta-path finder: for a watched module it asks the finders after it, as the import system would,
+    and returns their spec with its loader wrapped (:class:`_WatchingLoader`), changing neither what an
+    import finds nor ``sys.meta_path``. The fix activates when that loader executes bitsandbytes, by any
+    path (``import``, ``LazyLoader``, ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
     transformers does) activates nothing. ``via`` is None for the package's own watcher."""
 
     bnb_gc_fix_watcher = True
@@ -95,7 +93,7 @@ class BitsandbytesWatcher:
         if spec is None or isinstance(spec.loader, _WatchingLoader):
             return spec
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _WatchingLoader(spec.loader, fullname, self)
+            spec.loader = _WatchingLoader(spec.loader, fullname, self)  # type: ignore[assignment]
         elif fullname == _TRIGGERED_MODULE:
             self.fire()  # a spec we cannot wrap: activate now, as the import is about to load it
         return spec
@@ -113,13 +111,7 @@ class BitsandbytesWatcher:
             pass
 
 
-if TYPE_CHECKING:
-    from importlib.abc import Loader as _LoaderBase
-else:
-    _LoaderBase = object  # importlib.abc is not loaded at start-up; the protocol needs no base class
-
-
-class _WatchingLoader(_LoaderBase):
+class _WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none
     """A watched module's loader: the real one (``create_module``, ``exec_module``, anything else is the
     real loader's), and a word to us when it executes. ``exec_module`` first puts the real loader back on
     the module and its spec, so nothing anyone sees changes; for bitsandbytes it activates the fix before
@@ -180,14 +172,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
-    """Call ``callback(name)`` once the watched module ``name`` (one of ``_WATCHED``) has run to its end
-    through a watcher's loader: the import under way now, else the next one (after a failed import, the
-    one after). A watcher is inserted first on ``sys.meta_path`` if the first finder is not one (another
-    finder put in front of the start-up hook's may answer for the module; wrapt's post-import hooks do
-    the same). False, and the callback is never called, when ``name`` is imported already, or being
-    imported by a loader no watcher wraps. Callbacks must not raise (what they raise is dropped); one
-    registered twice runs once.
-    """
+    """Call ``callback(name)`` once the watched module ``name`` has run to its end through a watcher's
+    loader: the import under way now, else the next successful one. A watcher goes first on
+    ``sys.meta_path`` unless one is (a finder put in front of the start-up hook's may answer for the
+    module; wrapt's post-import hooks do the same). False, and never called, when ``name`` is imported
+    already or being imported by a loader no watcher wraps. What a callback raises is dropped; one
+    registered twice runs once."""
     if name not in _WATCHED:
         return False
     with _LOCK:

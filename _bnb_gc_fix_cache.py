@@ -1,9 +1,6 @@
-"""torch's parametrization cache, read and released without ever importing torch.
-
-In ``torch.nn.utils.parametrize``, ``_cache_enabled`` counts the holds on the global cache (on while not
-0, below 0 included) and ``_cache`` keeps what was computed while it is on, until the counter is back at
-0. Top-level and standard-library only, so the pytest plugin (which must not import the package: that
-activates the fix) imports it at no cost in every run.
+"""torch's parametrization cache, read and released without ever importing torch: ``_cache_enabled``
+counts the holds on the global cache (on while not 0, below 0 included), ``_cache`` keeps what is computed
+while it is on. Top-level and stdlib-only, for the pytest plugin (which must not import the package).
 """
 
 from __future__ import annotations

@@ -28,8 +28,7 @@ import _bnb_gc_fix_cache as cache
 
 OFF, WARN, FAIL = MODES = ("off", "warn", "fail")
 
-OPTION = "--parametrize-cache-check"
-MODE_OPTION = "--parametrize-cache-check-mode"
+OPTION, MODE_OPTION = "--parametrize-cache-check", "--parametrize-cache-check-mode"
 INI = "parametrize_cache_check"
 # The user property, one per leak, of the teardown report of the test under way (junit XML shows it):
 # `who` (the test's node id, or "fixture 'NAME' (SCOPE scope)"), `counter`, `bytes`, `message`.
@@ -91,8 +90,7 @@ def _fix_state() -> str:
     process imported it (the switch as its activation read it), else the environment's switch."""
     status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
     if status is None:
-        switch = os.environ.get("BNB_GC_FIX")
-        return f"bnb-gc-fix: not loaded in this process ({_switch_text(switch)})"
+        return f"bnb-gc-fix: not loaded in this process ({_switch_text(os.environ.get('BNB_GC_FIX'))})"
     try:
         now = status()
     except Exception as error:  # a report line must never break the run

@@ -1,8 +1,7 @@
 """bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking under gradient checkpointing.
 
-Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public
-API is small: :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`,
-:func:`reset`, :class:`guard`, and the :class:`Status` they report with.
+Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public API:
+:func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`, :func:`reset`, :class:`guard`.
 """
 
 from __future__ import annotations
@@ -48,19 +47,16 @@ logging.getLogger("bnb_gc_fix").addHandler(logging.NullHandler())
 
 
 def activate() -> Status:
-    """Turn the fix on as ``BNB_GC_FIX`` says now (it is read once per activation): patch each known
-    library now if imported, else the moment it is. Idempotent; never raises (a problem becomes a
-    warning and ``status().reason``). Returns :func:`status`."""
+    """Turn the fix on as ``BNB_GC_FIX`` says now (read once per activation); idempotent, never raises (a
+    problem becomes a warning and ``status().reason``). Returns :func:`status`."""
     _activation.activate()
     return status()
 
 
 def repair(model: torch.nn.Module) -> int:
-    """Replace every plain cache pair in ``model`` (bitsandbytes' and look-alike copies) with one gate
-    per module: for models quantized before the fix was active. Returns how many modules it fixed (a
-    second call returns 0). A pair already right (always-called disable hook: bitsandbytes 0.50) is left
-    alone, except where the last activation read ``BNB_GC_FIX=force``. A counter already stuck stays
-    stuck: :func:`reset` releases it."""
+    """Give every module of ``model`` quantized before the fix was active one gate in place of its plain
+    pairs (right pairs only under ``BNB_GC_FIX=force``); returns how many modules changed. A counter
+    already stuck stays stuck: :func:`reset` releases it."""
     import _bnb_gc_fix_boot as boot
     from bnb_gc_fix import gate
 

@@ -1,10 +1,7 @@
-"""Turning the fix on and off: one explicit state per library, and the switch read once per activation.
-
-``activate()`` reads ``BNB_GC_FIX`` once and keeps what it read until the next ``activate()``. It patches
-each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is imported, else once its import
-completes (:func:`_bnb_gc_fix_boot.when_imported`, the one import-watching mechanism). Each library is
-in one :class:`State`, set here and nowhere else, with the sentence and the verdict that put it there;
-:mod:`bnb_gc_fix.status` reports them.
+"""Turning the fix on and off: ``activate()`` reads ``BNB_GC_FIX`` once, keeps it until the next
+``activate()``, and patches each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is
+imported, else once its import completes (:func:`_bnb_gc_fix_boot.when_imported`, the one import-watching
+mechanism). Each library is in one :class:`State`, set here only, with the sentence and verdict behind it.
 """
 
 from __future__ import annotations
@@ -91,34 +88,17 @@ class _Process:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.libraries = {target.module: Library(target) for target in TARGETS}
-        self.switch: str | None = None  # BNB_GC_FIX as the last activation read it (`read_switch`)
+        self.switch: str | None = None  # BNB_GC_FIX as the last activation read it (activate())
         self.mode = boot.AUTO
         self.via: str | None = None
         self.warned_switch = False
-
-    def read_switch(self) -> str:
-        """Read ``BNB_GC_FIX`` (once per activation): it holds until the next ``activate()``."""
-        self.switch = os.environ.get(boot.VARIABLE)
-        self.mode, recognised = boot.parse(self.switch)
-        if not recognised and not self.warned_switch:
-            self.warned_switch = True
-            _warn(
-                f"{boot.VARIABLE}={self.switch!r} is not a known value; accepted values are {boot.ACCEPTED}. "
-                "Behaving as 'auto'.",
-                SwitchValueWarning,
-            )
-        return self.mode
 
 
 process = _Process()
 
 
-def _renew_lock() -> None:
-    process.lock = threading.RLock()  # a forked child never waits on a lock a parent thread held
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_lock)
+if hasattr(os, "register_at_fork"):  # a forked child never waits on a lock a parent thread held
+    os.register_at_fork(after_in_child=lambda: setattr(process, "lock", threading.RLock()))
 
 
 _OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
@@ -201,9 +181,7 @@ def _arm(library: Library) -> None:
 def _on_imported(name: str) -> None:
     """A target module's code has run to its end: decide and patch, as the last activation read the
     switch. Never raises."""
-    library = process.libraries.get(name)
-    if library is None:
-        return
+    library = process.libraries[name]  # registered by _arm only, for a library's module
     try:
         with process.lock:
             if library.state is not State.ARMED:  # deactivate() or an activate() switched off cancelled it
@@ -222,10 +200,20 @@ def activate(*, via: str = "activate()") -> None:
     else when it is imported. Idempotent; never raises (a problem becomes a warning and a reason)."""
     try:
         with process.lock:
-            if process.read_switch() == boot.OFF:
+            process.switch = os.environ.get(boot.VARIABLE)  # read once: it holds until the next activate()
+            process.mode, recognised = boot.parse(process.switch)
+            if not recognised and not process.warned_switch:
+                process.warned_switch = True
+                _warn(
+                    f"{boot.VARIABLE}={process.switch!r} is not a known value; accepted values are "
+                    f"{boot.ACCEPTED}. Behaving as 'auto'.",
+                    SwitchValueWarning,
+                )
+            if process.mode == boot.OFF:
+                off = f"{boot.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
                 for library in process.libraries.values():
                     if not library.applied():  # an earlier patch stays until deactivate()
-                        library.set(State.OFF, disabled_reason(process.switch))
+                        library.set(State.OFF, f"disabled by the environment: {off}")
                 return
             if process.via is None or not on():
                 process.via = via
@@ -258,10 +246,6 @@ def on() -> bool:
     """Something is patched or armed (what ``status().via`` is reported for)."""
     armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
     return armed or any(library.applied() for library in process.libraries.values())
-
-
-def disabled_reason(switch: str | None) -> str:
-    return f"disabled by the environment: {boot.VARIABLE}={switch!r} switches the fix off; nothing patched"
 
 
 def _armed(name: str) -> str:

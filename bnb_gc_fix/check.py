@@ -1,8 +1,6 @@
-"""``bnb-gc-fix check``: reproduce the leak's shape in-process on a small synthetic model.
-
-Quantized 3-D expert parameters (``replace_parameter_4bit``), non-reentrant activation checkpointing
-around each layer, a trainable router and AdamW, on random weights: the ingredients of the bug report,
-nothing downloaded, in a process configured as the user's environment configures it.
+"""``bnb-gc-fix check``: the bug report's ingredients on a small random model, in-process: quantized
+3-D expert parameters (``replace_parameter_4bit``), non-reentrant checkpointing of each layer, a
+trainable router and AdamW.
 """
 
 from __future__ import annotations

@@ -12,20 +12,7 @@ from typing import Any, NoReturn
 
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, import_installed
-from bnb_gc_fix.status import Status
 from bnb_gc_fix.status import status as fix_status
-
-
-def _facts() -> tuple[dict[str, Any], Status]:
-    """The environment around the fix, and ``status()`` once what is installed is imported (so that the
-    fix has something to decide on; every decision and sentence comes from ``status()``)."""
-    import_installed()
-    around = {
-        "bnb_gc_fix": __version__,
-        "python": platform.python_version(),
-        "transformers": distribution_version("transformers"),
-    }
-    return around, fix_status()
 
 
 def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one object, one line
@@ -33,12 +20,15 @@ def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one o
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    around, current = _facts()
+    import_installed()  # so that the fix has something to decide on; every sentence comes from status()
+    current, transformers = fix_status(), distribution_version("transformers")
+    facts = {"bnb_gc_fix": __version__, "python": platform.python_version(), "transformers": transformers}
     if args.json:
-        _print_json({**around, **current.as_dict()})
+        _print_json({**facts, **current.as_dict()})
         return 0
-    transformers = around["transformers"] or "not installed"
-    print(f"bnb-gc-fix {around['bnb_gc_fix']} (Python {around['python']}, transformers {transformers})")
+    print(
+        f"bnb-gc-fix {__version__} (Python {facts['python']}, transformers {transformers or 'not installed'})"
+    )
     print(current)
     return 0
 
@@ -50,18 +40,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     """Every path ends with 0, 1 or 2 and, with --json, exactly one JSON object on stdout."""
     from bnb_gc_fix import check
 
+    result, error = None, None
     try:
         result = check.run(device=args.device, steps=args.steps)
-        error = None
     except check.CannotRunError as cannot:
-        result, error = None, str(cannot)
+        error = str(cannot)
     except Exception as unexpected:  # a bug of ours must not read as "leak observed"
-        result, error = None, f"the check itself failed ({type(unexpected).__name__}: {unexpected})"
+        error = f"the check itself failed ({type(unexpected).__name__}: {unexpected})"
     current = fix_status()
-    if result is None:
-        code = EXIT_CANNOT_RUN
-    else:
-        code = EXIT_PROTECTED if result.protected else EXIT_LEAK
+    code = EXIT_CANNOT_RUN if result is None else EXIT_PROTECTED if result.protected else EXIT_LEAK
     args.exit_code = code  # what main() returns even if stdout is closed while printing
     if args.json:
         payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
@@ -93,10 +80,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from bnb_gc_fix import runner
 
-    command = list(args.argv)
-    if command and command[0] == "--":
-        command = command[1:]
-    return runner.run(command)
+    return runner.run(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -140,11 +124,8 @@ def _positive(text: str) -> int:
     return value
 
 
-class _UsageError(Exception):
-    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
-        super().__init__(message)
-        self.parser = parser
-        self.message = message
+class _UsageError(Exception):  # args: the (sub)parser, the message
+    pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,14 +136,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
+    parser, message = error.args
     if "--json" in argv:
-        payload: dict[str, Any] = {"error": f"{error.parser.prog}: {error.message}", "exit_code": EXIT_USAGE}
+        payload: dict[str, Any] = {"error": f"{parser.prog}: {message}", "exit_code": EXIT_USAGE}
         if "check" in argv:
             payload.update(device=None, protected=None, steps=[])
         _print_json(payload)
     else:
-        error.parser.print_usage(sys.stderr)
-        print(f"{error.parser.prog}: error: {error.message}", file=sys.stderr)
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -21,8 +21,7 @@ MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 PARAMETRIZE = BITSANDBYTES.module
 
 
-def torch_version() -> str | None:
-    """``torch.__version__`` if torch is imported, else ``None``."""
+def torch_version() -> str | None:  # never imports torch
     version = getattr(sys.modules.get("torch"), "__version__", None)
     return None if version is None else str(version)
 
@@ -95,20 +94,14 @@ def _signature_problem(target: Target, module: ModuleType) -> str | None:
         required = [p for p in positional if p.default is p.empty]
         if len(required) > arity or len(positional) < arity:
             names = ", ".join(p.name for p in positional)
-            return (
-                f"{target.module}.{name}({names}) does not take the "
-                f"{arity} positional arguments this fix expects"
-            )
+            expected = f"{arity} positional arguments this fix expects"
+            return f"{target.module}.{name}({names}) does not take the {expected}"
     return None
 
 
 def probe(module: ModuleType, target: Target = BITSANDBYTES) -> tuple[bool | None, str]:
-    """Call the target's own registering function on a throwaway module and look at what it did.
-
-    Returns ``(affected, description)``: ``affected`` is True for the plain pair, False when
-    the disable hook is always-called (upstream's fix), None when the result is unexpected.
-    Never raises: whatever goes wrong is the description of an unexpected result.
-    """
+    """Call the target's registering function on a throwaway module: ``(affected, what it did)``, affected
+    None when unexpected (whatever goes wrong is described, never raised), False for upstream's fix."""
     register = getattr(module, target.register)
     register = getattr(register, "__wrapped__", register)  # judge the library, not our wrapper
     try:
@@ -137,14 +130,8 @@ def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES
     label = f"{target.name} {version}" if version else f"this {target.name}"
 
     if torch_too_old(torch_version()):
-        return Verdict(
-            False,
-            True,
-            by_version,
-            "not run",
-            f"torch {_release(torch_version())} cannot run forward hooks with always_call=True "
-            f"(needs torch >= {MIN_TORCH})",
-        )
+        too_old = f"torch {_release(torch_version())} cannot run forward hooks with always_call=True"
+        return Verdict(False, True, by_version, "not run", f"{too_old} (needs torch >= {MIN_TORCH})")
     problem = _signature_problem(target, module)
     if problem is not None:
         return Verdict(False, True, None, "not run", problem)
@@ -158,19 +145,17 @@ def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES
         False: f"is outside the affected range {span}",
         None: "has an unreadable version",
     }[by_version]
-    if affected:
-        reason = f"{label} {range_text} and the probe found a {seen}"
-        if by_version is False:
-            reason = f"{label} {range_text}, but the probe found a {seen}, and the probe wins"
-        return Verdict(True, False, True, seen, reason)
-    if force:
+    if force and not affected:
         return Verdict(
             True, False, False, seen, f"{label} has the upstream fix ({seen}), but BNB_GC_FIX=force"
         )
-    reason = f"{label} {range_text} and the probe found its {seen}"
-    if by_version is True:
-        reason = f"{label} {range_text}, but the probe found its {seen}, and the probe wins"
-    return Verdict(False, False, False, seen, reason, NOT_NEEDED if target is BITSANDBYTES else "")
+    found = f"the probe found {'a' if affected else 'its'} {seen}"
+    if by_version is (not affected):  # the version says the opposite
+        reason = f"{label} {range_text}, but {found}, and the probe wins"
+    else:
+        reason = f"{label} {range_text} and {found}"
+    advice = NOT_NEEDED if target is BITSANDBYTES and not affected else ""
+    return Verdict(affected, False, affected, seen, reason, advice)
 
 
 NOT_NEEDED = (

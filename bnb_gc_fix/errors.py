@@ -8,10 +8,7 @@ class BnbGcFixWarning(UserWarning):
 
 
 class PatchSkippedWarning(BnbGcFixWarning):
-    """The fix could not be applied safely (unexpected bitsandbytes or torch internals).
-
-    Nothing was patched; ``bnb_gc_fix.status().reason`` says why.
-    """
+    """The fix could not be applied safely (unexpected internals); ``status().reason`` says why."""
 
 
 class SwitchValueWarning(BnbGcFixWarning):

@@ -27,8 +27,7 @@ import torch.nn.utils.parametrize as P
 
 import _bnb_gc_fix_cache as cache
 
-ENABLE_NAME = "_enable_parametrization_cache"
-DISABLE_NAME = "_disable_parametrization_cache"
+ENABLE_NAME, DISABLE_NAME = "_enable_parametrization_cache", "_disable_parametrization_cache"
 ORIGIN = "bitsandbytes.nn.parametrize"
 
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
@@ -67,10 +66,6 @@ class _Holds:
         self.anchor_n = 0
         self.anchor_depth = 0
 
-    def forget_anchor(self) -> None:
-        self.anchor = None
-        self.anchor_n = 0
-
     def __del__(self) -> None:
         try:
             held, self.n = self.n, 0
@@ -91,8 +86,6 @@ def _every_holds() -> list[_Holds]:
 
 
 class _PerThread(threading.local):
-    holds: _Holds
-
     def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
         self.holds = _Holds(gate)
         _HOLDS.add(self.holds)
@@ -172,7 +165,7 @@ def _after_fork_in_child() -> None:
         for holds in _every_holds():
             if holds.thread != me:
                 held, holds.n = holds.n, 0
-                holds.forget_anchor()
+                holds.anchor, holds.anchor_n = None, 0
                 if held:
                     cache.give_back(held)
 
@@ -204,7 +197,7 @@ def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> No
     is read down only until every hold is accounted for, and the innermost holding call kept with its
     depth (the anchor), so a module that calls itself again and again is walked once, not per call."""
     held = holds.n
-    holds.forget_anchor()
+    holds.anchor, holds.anchor_n = None, 0
     if start is None:  # called where torch.compile traces the pre-hook: depths count from its caller
         start = _frame(1)
     live = -1  # the innermost call found is the one being entered, which holds nothing yet
@@ -317,8 +310,10 @@ def convert_at_forward(module: Any, replace_always_called: bool = False) -> bool
     return True
 
 
-def clamped_disable(wrapped: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """bitsandbytes' ``_disable_parametrization_cache``, never below zero, cache emptied at zero."""
+def clamped_disable(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A wrapt wrapper of a disable function: never below zero, cache emptied at zero."""
     if P._cache_enabled > 0:
         return wrapped(*args, **kwargs)
     cache.give_back(0)
@@ -344,7 +339,7 @@ def release_left_behind(added: int) -> int:
         if holds.thread == me and stale > 0 and released < budget:
             take = min(stale, budget - released)
             holds.n -= take
-            holds.forget_anchor()
+            holds.anchor, holds.anchor_n = None, 0
             released += take
     unaccounted = counter - released - sum(holds.n for holds in everyone)
     if unaccounted > 0:
@@ -358,4 +353,4 @@ def forget_holds() -> None:
     """Every gate forgets its holds, on every thread (for :func:`_bnb_gc_fix_cache.reset`)."""
     for holds in _every_holds():
         holds.n = 0
-        holds.forget_anchor()
+        holds.anchor, holds.anchor_n = None, 0

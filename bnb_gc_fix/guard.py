@@ -43,9 +43,8 @@ def check_and_release(strict: bool = False, start: int = 0) -> int:
 
 
 class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: `with guard():`)
-    """Context manager and decorator around one training step: on exit, :func:`check_and_release` of
-    what the step added (``strict`` only when no exception leaves the step: ours never replaces it).
-    Around a function ``torch.compile`` compiles (also ``fullgraph=True``), it runs outside the trace."""
+    """Around one training step (``with`` or decorator, outside any torch.compile trace): on exit,
+    :func:`check_and_release` of what it added (``strict`` only when no exception leaves the step)."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict

@@ -1,9 +1,6 @@
-"""What is installed, and what imports: a broken install is named as broken, never as missing.
-
-The doctor (``bnb-gc-fix status`` and ``check``) imports torch, bitsandbytes and the look-alike
-libraries exactly when a user's machine is least healthy: a bitsandbytes that raises
-``RuntimeError("CUDA Setup failed ...")`` or an ``OSError`` for a missing CUDA library at import
-is installed, and failing. Every import here catches whatever the import raises.
+"""What is installed, and what imports, for ``bnb-gc-fix status`` and ``check``: a broken install (a
+bitsandbytes raising ``RuntimeError("CUDA Setup failed ...")`` or an ``OSError`` for a missing CUDA
+library at import) is named as broken, never as missing. Every import here catches whatever it raises.
 """
 
 from __future__ import annotations
@@ -21,15 +18,10 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
-def _not_installed(name: str, error: BaseException) -> bool:
-    # Python cannot find the top-level package, whatever stale metadata may say.
-    return isinstance(error, ModuleNotFoundError) and error.name == name.split(".")[0]
-
-
 def failure(name: str, error: BaseException) -> str:
     """What a failed import of ``name`` means: not installed, or installed and broken (and how)."""
     top = name.split(".")[0]
-    if _not_installed(name, error):
+    if isinstance(error, ModuleNotFoundError) and error.name == top:  # whatever stale metadata may say
         return f"{top} is not installed"
     version = distribution_version(top)
     installed = f"{top} {version} is installed" if version else f"{top} is installed"
@@ -38,12 +30,11 @@ def failure(name: str, error: BaseException) -> str:
 
 
 _failures: dict[str, str] = {}
-_missing: set[str] = set()
 
 
 def missing(name: str) -> bool:
     """Whether the last :func:`try_import` of ``name`` failed because it is not installed."""
-    return name in _missing
+    return _failures.get(name) == f"{name.split('.')[0]} is not installed"
 
 
 def failures() -> dict[str, str]:
@@ -52,20 +43,14 @@ def failures() -> dict[str, str]:
 
 
 def try_import(name: str) -> tuple[ModuleType | None, str | None]:
-    """Import ``name``; returns ``(module, None)`` or ``(None, what went wrong)``, never raises.
-
-    A broken install can raise anything at import, ``SystemExit`` included; only
-    ``KeyboardInterrupt`` goes through. A failure is remembered (``status().import_errors``).
-    """
+    """``(module, None)`` or ``(None, what went wrong)``, remembered for ``status().import_errors``. A broken
+    install can raise anything at import, ``SystemExit`` included; only ``KeyboardInterrupt`` goes through."""
     try:
         module = importlib.import_module(name)
     except (Exception, SystemExit) as error:
         _failures[name] = problem = failure(name, error)
-        if _not_installed(name, error):
-            _missing.add(name)
         return None, problem
     _failures.pop(name, None)
-    _missing.discard(name)
     return module, None
 
 

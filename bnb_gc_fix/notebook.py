@@ -16,8 +16,7 @@ import _bnb_gc_fix_cache as cache
 
 logger = logging.getLogger("bnb_gc_fix")
 
-EVENT = "post_run_cell"
-BEFORE = "pre_run_cell"
+BEFORE, EVENT = "pre_run_cell", "post_run_cell"
 
 
 class _Registration:

@@ -1,11 +1,7 @@
-"""The patch: wrapt wrappers around a target library's functions (see :mod:`bnb_gc_fix.targets`).
-
-* The registering function still runs in full; then the plain pair it added is swapped for the gate.
-* The enable function, met as the pre-hook of a module that still holds a plain pair (loaded from a
-  pickle, whose hooks pickle as the plain pair), turns that pair into the gate at its first forward.
-* The clamped disable function, if the target names one, never drives the counter below zero.
-
-:func:`remove` puts the library's own functions back.
+"""The patch: wrapt wrappers around a target library's functions (:mod:`bnb_gc_fix.targets`). The
+registering function runs in full, then the plain pair it added is swapped for the gate; the enable
+function, met as the pre-hook of a module still holding a plain pair (loaded from a pickle), turns it
+into the gate at its first forward; a clamped disable function never drives the counter below zero.
 """
 
 from __future__ import annotations
@@ -31,44 +27,30 @@ class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """Marks our wrappers, so applying twice wraps once and removing unwraps only ours."""
 
 
-def _register_wrapper(replace_always_called: bool) -> _WrapperFunction:
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _wrappers(module: ModuleType, target: Target, force: bool = False) -> dict[str, _WrapperFunction]:
+    def register(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
-        module = args[0] if args else kwargs.get("module")
+        quantized = args[0] if args else kwargs.get("module")
         try:
-            if module is not None:
-                gate.install(module, replace_always_called=replace_always_called)
+            if quantized is not None:
+                gate.install(quantized, replace_always_called=force)
         except Exception:  # never break the user's quantization call
-            logger.exception("could not install the cache gate on %s", type(module).__name__)
+            logger.exception("could not install the cache gate on %s", type(quantized).__name__)
         return result
 
-    return wrapper
-
-
-def _enable_wrapper(replace_always_called: bool) -> _WrapperFunction:
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def enable(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            if args and gate.convert_at_forward(args[0], replace_always_called):
+            if args and gate.convert_at_forward(args[0], force):
                 return None
         except Exception:  # never break the user's forward: the plain hook runs as it is
             logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
         return wrapped(*args, **kwargs)
 
-    return wrapper
-
-
-def _disable_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return gate.clamped_disable(wrapped, args, kwargs)
-
-
-def _wrappers(
-    module: ModuleType, target: Target, replace_always_called: bool = False
-) -> dict[str, _WrapperFunction]:
-    wrappers = {target.register: _register_wrapper(replace_always_called)}
+    wrappers: dict[str, _WrapperFunction] = {target.register: register}
     if hasattr(module, gate.ENABLE_NAME):
-        wrappers[gate.ENABLE_NAME] = _enable_wrapper(replace_always_called)
+        wrappers[gate.ENABLE_NAME] = enable
     if target.clamp is not None:
-        wrappers[target.clamp] = _disable_wrapper
+        wrappers[target.clamp] = gate.clamped_disable
     return wrappers
 
 

@@ -1,10 +1,7 @@
-"""``bnb-gc-fix run -- CMD ...``: run a command with the fix switched on at interpreter start.
-
-For environments where site-packages ``.pth`` files are not processed (the package on a shared
-``PYTHONPATH``, some embedded interpreters): it prepends the package's ``_sitecustomize``
-directory to ``PYTHONPATH`` and executes the command, like ``ddtrace-run`` and
-``opentelemetry-instrument``. Child processes inherit ``PYTHONPATH``, so every torchrun rank and
-multiprocessing child is covered. That ``sitecustomize`` still loads the user's own.
+"""``bnb-gc-fix run -- CMD ...``: the fix switched on at interpreter start where ``.pth`` files are not
+processed (the package on a shared ``PYTHONPATH``, embedded interpreters), like ``ddtrace-run``: our
+``_sitecustomize`` goes first on ``PYTHONPATH``, which every torchrun rank and multiprocessing child
+inherits, and still loads the user's own ``sitecustomize``.
 """
 
 from __future__ import annotations
@@ -19,18 +16,11 @@ SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_s
 
 
 def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``base`` (default: this process's environment) with our sitecustomize first on PYTHONPATH.
-
-    Nothing else on ``PYTHONPATH`` changes: its order, and empty entries, which Python reads as
-    the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` with it unset leaves one), stay
-    as they were. Only an earlier copy of our own entry (a runner inside a runner) is dropped.
-    """
+    """``base`` (default: ``os.environ``) with our sitecustomize first on PYTHONPATH, the rest as it was
+    (order, and empty entries, which Python reads as the current directory), less an earlier copy of ours."""
     env = dict(os.environ if base is None else base)
-    existing = env.get("PYTHONPATH", "")
-    entries = [SITECUSTOMIZE_DIR]
-    if existing:
-        entries += [p for p in existing.split(os.pathsep) if p != SITECUSTOMIZE_DIR]
-    env["PYTHONPATH"] = os.pathsep.join(entries)
+    entries = env["PYTHONPATH"].split(os.pathsep) if env.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join([SITECUSTOMIZE_DIR, *(p for p in entries if p != SITECUSTOMIZE_DIR)])
     return env
 
 

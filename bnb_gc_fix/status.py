@@ -1,13 +1,11 @@
-"""``bnb_gc_fix.status()``: where the fix stands in this process right now, from one place.
-
-:func:`status` reads each library's state (:mod:`bnb_gc_fix.activation`), what its module shows right
-now, and torch's cache; it never imports anything and never raises. A :class:`LibraryStatus` holds
-everything about one library, :class:`Status` the libraries and the process; the overall state, the
-JSON of ``bnb-gc-fix status --json`` and its text are computed from them, so no two can disagree.
+"""``bnb_gc_fix.status()``: each library's state (:mod:`bnb_gc_fix.activation`), what its module shows
+right now, and torch's cache, read without importing or raising. The overall state, the JSON of
+``bnb-gc-fix status --json`` and its text are all computed from one :class:`Status`, so no two disagree.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -202,52 +200,31 @@ def _armed_reason(bnb: str | None) -> str | None:
 def _library(library: Library) -> LibraryStatus:
     version = library.target.version()
     verdict = library.verdict(activation.process.mode)
+    affected, probe = (None, None) if verdict is None else (verdict.affected, verdict.probe)
     state, reason = _state(library, version)
-    return LibraryStatus(
-        name=library.target.name,
-        module=library.target.module,
-        version=version,
-        state=state.value,
-        affected=None if verdict is None else verdict.affected,
-        probe=None if verdict is None else verdict.probe,
-        reason=reason,
-    )
-
-
-def _cache_now() -> tuple[int | None, int | None]:
-    """torch's counter and the bytes its cache holds, without importing torch (None, None)."""
-    if cache.parametrize() is None:
-        return None, None
-    try:
-        return cache.counter(), cache.cached_bytes()
-    except Exception:  # status() never raises
-        return None, None
-
-
-def _via() -> str | None:
-    """An import is credited to the start-up hook or the runner only if its finder fired (another import
-    hook in front of it can hide bitsandbytes' import from it)."""
-    if not activation.on():
-        return None
-    via = activation.process.via
-    return boot.trigger if via == "import" and boot.trigger else via
-
-
-def _startup_hook() -> str:
-    if boot.installed_watcher() is not None or boot.trigger is not None:
-        return "installed"
-    return "switched off" if boot.started_by is not None else "not installed"
+    target = library.target
+    return LibraryStatus(target.name, target.module, version, state.value, affected, probe, reason)
 
 
 def status() -> Status:
     """Where the fix stands in this process right now (never imports anything, never raises)."""
     process = activation.process
-    counter, cache_bytes = _cache_now()
+    counter: int | None = None
+    cache_bytes: int | None = None
+    if cache.parametrize() is not None:  # else torch's parametrize is not imported: nothing to read
+        with contextlib.suppress(Exception):  # status() never raises
+            counter, cache_bytes = cache.counter(), cache.cached_bytes()
+    via = process.via if activation.on() else None
+    if via == "import" and boot.trigger:  # credited to the start-up hook or the runner only if its finder
+        via = boot.trigger  # fired (another import hook in front of it can hide bitsandbytes' import)
+    hook = "switched off" if boot.started_by is not None else "not installed"
+    if boot.installed_watcher() is not None or boot.trigger is not None:
+        hook = "installed"
     return Status(
         libraries=tuple(
             _library(library)
             for library in process.libraries.values()
-            if library.target is BITSANDBYTES or library.decided or library.target.imported()
+            if library.target is BITSANDBYTES or library.decided or library.target.name in sys.modules
         ),
         torch=decide.torch_version(),
         counter=counter,
@@ -255,8 +232,8 @@ def status() -> Status:
         mode=process.mode,
         switch=process.switch,
         switch_now=os.environ.get(boot.VARIABLE),
-        via=_via(),
-        startup_hook=_startup_hook(),
+        via=via,
+        startup_hook=hook,
         cell_end_release=notebook.installed(),
         gil=cache.gil_enabled(),
         import_errors=installed.failures(),

@@ -1,10 +1,7 @@
-"""The libraries this package patches, one small description each.
-
-Every library here registers the same leaking pair of hooks around a module's forward: a forward
-pre-hook that switches torch's parametrization cache on and a *plain* forward hook that switches it
-off (skipped when the forward raises). A :class:`Target` says where that happens and how to probe
-it; decide, patch and activation are driven by :data:`TARGETS`. To cover the next look-alike, add one
-entry here and its module to the start-up hook's ``_TARGET_MODULES`` (a test checks that they agree).
+"""The libraries this package patches: each registers the leaking pair (a pre-hook switching torch's
+parametrization cache on, a *plain* forward hook, skipped when the forward raises, switching it off).
+To cover the next look-alike, add its :class:`Target` to :data:`TARGETS` and its module to the start-up
+hook's ``_TARGET_MODULES`` (a test checks that they agree).
 """
 
 from __future__ import annotations
@@ -51,10 +48,6 @@ class Target:
         """``<name>.__version__`` if the library is imported (never imports it)."""
         version = getattr(sys.modules.get(self.name), "__version__", None)
         return None if version is None else str(version)
-
-    def imported(self) -> bool:
-        """Whether the program has imported the library (not necessarily :attr:`module`)."""
-        return self.name in sys.modules
 
 
 BITSANDBYTES = Target(

@@ -8,14 +8,6 @@ import os
 import sys
 
 
-def _install_hook() -> None:
-    try:
-        from _bnb_gc_fix_boot import install_quietly
-    except Exception:
-        return
-    install_quietly(via="runner")
-
-
 def _load_users_sitecustomize() -> None:
     """Find another ``sitecustomize`` further down ``sys.path`` and execute it under that name."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -35,5 +27,10 @@ def _load_users_sitecustomize() -> None:
     spec.loader.exec_module(module)  # the user's own errors surface as they would without us
 
 
-_install_hook()
+try:
+    from _bnb_gc_fix_boot import install_quietly
+except Exception:
+    pass
+else:
+    install_quietly(via="runner")
 _load_users_sitecustomize()
