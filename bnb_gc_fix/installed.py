@@ -18,10 +18,14 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
+def _not_installed(name: str, error: BaseException) -> bool:  # whatever stale metadata may say
+    return isinstance(error, ModuleNotFoundError) and error.name == name.split(".")[0]
+
+
 def failure(name: str, error: BaseException) -> str:
     """What a failed import of ``name`` means: not installed, or installed and broken (and how)."""
     top = name.split(".")[0]
-    if isinstance(error, ModuleNotFoundError) and error.name == top:  # whatever stale metadata may say
+    if _not_installed(name, error):
         return f"{top} is not installed"
     version = distribution_version(top)
     installed = f"{top} {version} is installed" if version else f"{top} is installed"
@@ -30,11 +34,12 @@ def failure(name: str, error: BaseException) -> str:
 
 
 _failures: dict[str, str] = {}
+_missing: set[str] = set()
 
 
 def missing(name: str) -> bool:
     """Whether the last :func:`try_import` of ``name`` failed because it is not installed."""
-    return _failures.get(name) == f"{name.split('.')[0]} is not installed"
+    return name in _missing
 
 
 def failures() -> dict[str, str]:
@@ -49,8 +54,11 @@ def try_import(name: str) -> tuple[ModuleType | None, str | None]:
         module = importlib.import_module(name)
     except (Exception, SystemExit) as error:
         _failures[name] = problem = failure(name, error)
+        if _not_installed(name, error):
+            _missing.add(name)
         return None, problem
     _failures.pop(name, None)
+    _missing.discard(name)
     return module, None
 
 
