@@ -142,7 +142,9 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
         _skip(library, verdict.decision)
     elif not verdict.patch:
         library.set(State.NOT_NEEDED, verdict.decision)
-        (logger.info if process.mode == boot.ON else logger.debug)("nothing to patch: %s", verdict.reason)
+        (logger.info if process.mode == boot.ON else logger.debug)(
+            "nothing needed patching: %s", verdict.reason
+        )
     else:
         patch.apply(module, library.target, replace_always_called=boot.forces(process.mode))
         reason = verdict.decision

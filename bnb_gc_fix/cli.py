@@ -86,7 +86,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="bnb-gc-fix",
-        description="Diagnose and stop bitsandbytes' 4-bit parametrization cache leak.",
+        description="Diagnose and stop bitsandbytes' 4-bit cache leak under gradient checkpointing.",
     )
     parser.add_argument("--version", action="version", version=f"bnb-gc-fix {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", metavar="{status,check,run}")
