@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -247,16 +248,18 @@ DOWNLOADS_STEP = "CI's downloads step (.ci/run: BNB_GC_FIX_DOWNLOADS=1 python -m
 DOWNLOADED_RELEASES = ("0.50.2",)
 
 
-def _cells() -> list[dict[str, Any]]:
+@functools.cache
+def _cells() -> tuple[dict[str, Any], ...]:
+    """The nox cells of cells.toml, read once per process."""
     try:
         import tomllib
     except ImportError:  # Python < 3.11 (a bare cell): the reason names no cells
-        return []
+        return ()
     cells: list[dict[str, Any]] = tomllib.loads((ROOT / "cells.toml").read_text())["cells"]
-    return cells
+    return tuple(cells)
 
 
-def _cells_running(item: pytest.Item, cells: list[dict[str, Any]]) -> list[str]:
+def _cells_running(item: pytest.Item, cells: tuple[dict[str, Any], ...]) -> list[str]:
     """The nox cells whose selection holds ``item`` (its marker, or its file run whole)."""
     path = Path(str(item.path)).resolve()
     names = []
