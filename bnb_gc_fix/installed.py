@@ -18,6 +18,17 @@ def distribution_version(name: str) -> str | None:
         return None
 
 
+def findable(name: str) -> bool:
+    """Whether an import of the top-level module ``name`` would find something on ``sys.path``. Reads
+    ``sys.path`` (and its finders' caches) only: nothing is imported, no library code runs."""
+    from importlib.machinery import PathFinder
+
+    try:
+        return PathFinder.find_spec(name) is not None
+    except Exception:  # an odd sys.path entry: say it may be there
+        return True
+
+
 def _not_installed(name: str, error: BaseException) -> bool:  # whatever stale metadata may say
     return isinstance(error, ModuleNotFoundError) and error.name == name.split(".")[0]
 
