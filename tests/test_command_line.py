@@ -15,7 +15,7 @@ INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_"
 
 # --- every path of `check` ----------------------------------------------------------------------
 
-# One interpreter per path: a prelude sets the path up for real (an import blocked by a meta-path
+# One interpreter per path: its setup code sets the path up for real (an import blocked by a meta-path
 # finder, a CPU-only torch asked for CUDA, ...), then `check --json` and `check` both run in it.
 
 BLOCK = """
@@ -67,10 +67,10 @@ PATHS = {
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_check_path_exits_2_with_one_json_object(path: str) -> None:
-    prelude, extra, message = PATHS[path]
+    setup, extra, message = PATHS[path]
     args = ["check", "--steps", "2", *extra]
     (json_code, json_out, _), (text_code, text_out, text_err) = cli_calls(
-        [*args, "--json"], args, prelude=prelude
+        [*args, "--json"], args, setup=setup
     )
     assert json_code == text_code == 2, (json_out, text_err)
     [payload_line] = json_out.splitlines()  # exactly one line, one object
