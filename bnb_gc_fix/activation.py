@@ -111,7 +111,7 @@ def _armed_bitsandbytes(reason: str) -> tuple[State, str]:
     if version is not None and decide.before_parametrize(version):  # it will never import parametrize
         return State.NOT_NEEDED, f"{decide.no_parametrize(version)}; nothing to patch"
     for name in ("torch", "bitsandbytes"):
-        if name not in sys.modules and not installed.findable(name):
+        if installed.absent(name):
             return State.NOT_INSTALLED, _NOT_INSTALLED.format(name=name)
     failed = installed.failures()
     for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):

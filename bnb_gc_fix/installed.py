@@ -6,6 +6,7 @@ library at import) is named as broken, never as missing. Every import here catch
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib import metadata
 from types import ModuleType
 
@@ -27,6 +28,14 @@ def findable(name: str) -> bool:
         return PathFinder.find_spec(name) is not None
     except Exception:  # an odd sys.path entry: say it may be there
         return True
+
+
+def absent(name: str) -> bool:
+    """Whether the top-level module ``name`` is not installed: not imported, and either the last
+    :func:`try_import` of it found it missing or an import would find nothing on ``sys.path``."""
+    if name in sys.modules:
+        return False
+    return missing(name) or not findable(name)
 
 
 def _not_installed(name: str, error: BaseException) -> bool:  # whatever stale metadata may say

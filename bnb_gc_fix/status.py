@@ -205,7 +205,7 @@ def _quoted_or_unset(value: str | None) -> str:
 
 
 def _is_installed(name: str) -> bool:
-    return name in sys.modules or installed.findable(name)
+    return not installed.absent(name)
 
 
 def _library_status(library: Library) -> LibraryStatus:

@@ -110,11 +110,23 @@ def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
     assert result.stdout.strip() == "False"
 
 
-def test_the_start_up_hook_watches_every_patched_module() -> None:
-    # The hook cannot import the package at start-up, so it keeps the targets' modules as a literal.
-    code = "import _bnb_gc_fix_boot as boot; from bnb_gc_fix.targets import TARGETS\n"
-    code += "print(set(boot._TARGET_MODULES) == {t.module for t in TARGETS})"
-    assert run_code(code).stdout.strip() == "True"
+WATCHED = """
+import json
+import _bnb_gc_fix_boot as boot
+import _bnb_gc_fix_imports as imports
+from bnb_gc_fix.targets import TARGETS
+print(json.dumps({
+    "boot": sorted(boot._WATCHED),
+    "registry": sorted(imports.WATCHED),
+    "targets": sorted({"bitsandbytes", *(target.module for target in TARGETS)}),
+}))
+"""
+
+
+def test_the_start_up_hook_watches_bitsandbytes_and_every_patched_module() -> None:
+    # The start-up hook cannot import the package, so both read the modules from _bnb_gc_fix_vocabulary.
+    watched = run_code(WATCHED, switch="0").last_json
+    assert watched["boot"] == watched["registry"] == watched["targets"]
 
 
 def test_processes_without_bitsandbytes_never_import_the_package() -> None:
@@ -246,10 +258,11 @@ SPELLINGS = {
 def test_every_spelling_of_the_switch_reads_as_its_mode() -> None:
     # The one function that reads a value (pure: no state). Each mode's behaviour in a fresh
     # interpreter is tested below, with one of its spellings.
-    import _bnb_gc_fix_boot as boot
+    import _bnb_gc_fix_vocabulary as vocabulary
 
-    assert {value: boot.parse(value) for value in SPELLINGS} == {v: (m, True) for v, m in SPELLINGS.items()}
-    assert boot.parse("sometimes") == ("auto", False)
+    read = {value: vocabulary.parse(value) for value in SPELLINGS}
+    assert read == {value: (mode, True) for value, mode in SPELLINGS.items()}
+    assert vocabulary.parse("sometimes") == ("auto", False)
 
 
 @pytest.mark.parametrize("value", [None, " yes ", "Force"])
