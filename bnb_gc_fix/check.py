@@ -93,17 +93,22 @@ def run(device: str | None = None, steps: int = 4) -> CheckResult:
         ) from error
 
 
-def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult:
+_LAYERS = 3
+_EXPERTS = 8
+_WIDTH = 64
+_HIDDEN = 128
+
+
+def _model(torch: Any, parametrize: Any, device: str) -> Any:
+    """A small random MoE: each layer a trainable router and fused 3-D experts quantized to 4 bits by
+    ``replace_parameter_4bit`` (bitsandbytes' hooks sit on the experts' forward)."""
     from torch import nn
-    from torch.utils.checkpoint import checkpoint
 
-    layers, experts, width, hidden = 3, 8, 64, 128
-
-    class Experts(nn.Module):  # its 3-D weights are quantized: bitsandbytes' hooks sit on its forward
+    class Experts(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.up = nn.Parameter(torch.randn(experts, hidden, width) * 0.05)
-            self.down = nn.Parameter(torch.randn(experts, width, hidden) * 0.05)
+            self.up = nn.Parameter(torch.randn(_EXPERTS, _HIDDEN, _WIDTH) * 0.05)
+            self.down = nn.Parameter(torch.randn(_EXPERTS, _WIDTH, _HIDDEN) * 0.05)
 
         def forward(self, x: Any, weights: Any) -> Any:
             inner = torch.einsum("td,ehd->teh", x, self.up).relu()
@@ -112,8 +117,8 @@ def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult
     class Layer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.norm = nn.LayerNorm(width)
-            self.router = nn.Linear(width, experts)
+            self.norm = nn.LayerNorm(_WIDTH)
+            self.router = nn.Linear(_WIDTH, _EXPERTS)
             self.experts = Experts()
 
         def forward(self, x: Any) -> Any:
@@ -121,14 +126,22 @@ def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult
             return x + self.experts(h, self.router(h).softmax(-1))
 
     torch.manual_seed(0)
-    model = nn.ModuleList(Layer() for _ in range(layers)).to(device)
+    model = nn.ModuleList(Layer() for _ in range(_LAYERS)).to(device)
     for layer in model:
         parametrize.replace_parameter_4bit(layer.experts, "up", quant_type="nf4")
         parametrize.replace_parameter_4bit(layer.experts, "down", quant_type="nf4")
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".router." in name)
+    return model
+
+
+def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult:
+    """Train the model with each layer checkpointed non-reentrantly; record the cache after each step."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model(torch, parametrize, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    x = torch.randn(32, width, device=device)
+    x = torch.randn(32, _WIDTH, device=device)
 
     result = CheckResult(device=device)
     for step in range(1, steps + 1):
@@ -139,5 +152,8 @@ def _train(torch: Any, parametrize: Any, device: str, steps: int) -> CheckResult
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        result.steps.append(Step(step, cache.counter(), cache.cached_bytes(), float(loss.item())))
+        record = Step(
+            step=step, counter=cache.counter(), cache_bytes=cache.cached_bytes(), loss=float(loss.item())
+        )
+        result.steps.append(record)
     return result

@@ -88,32 +88,45 @@ def _clamped_disable(
     return None
 
 
-def _wrappers(module: ModuleType, target: Target, force: bool) -> dict[str, _WrapperFunction]:
-    """The wrapper function for each of the target's functions, by name."""
+def _register_wrapper(force: bool) -> _WrapperFunction:
+    """The wrapper of a register function: register as the library does, then put the gate in place."""
 
     def register(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
         quantized = args[0] if args else kwargs.get("module")
+        if quantized is None:
+            return result
         try:
-            if quantized is not None:
-                hooks.install(quantized, replace_always_called=force)
+            hooks.install(quantized, replace_always_called=force)
         except Exception:  # never break the user's quantization call
             logger.exception("could not install the cache gate on %s", type(quantized).__name__)
         return result
 
+    return register
+
+
+def _enable_wrapper(force: bool) -> _WrapperFunction:
+    """The wrapper of an enable function: met as a plain pair's pre-hook, it converts the pair."""
+
     def enable(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        try:
-            converted = bool(args) and _convert_at_forward(args[0], force)
-        except Exception:  # never break the user's forward: the plain hook runs as it is
-            logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
-            converted = False
+        converted = False
+        if args:
+            try:
+                converted = _convert_at_forward(args[0], force)
+            except Exception:  # never break the user's forward: the plain hook runs as it is
+                logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
         if converted:
             return None
         return wrapped(*args, **kwargs)
 
-    wrappers: dict[str, _WrapperFunction] = {target.register: register}
+    return enable
+
+
+def _wrappers(module: ModuleType, target: Target, force: bool) -> dict[str, _WrapperFunction]:
+    """The wrapper function for each of the target's functions, by name."""
+    wrappers: dict[str, _WrapperFunction] = {target.register: _register_wrapper(force)}
     if hasattr(module, target.enable_hook):
-        wrappers[target.enable_hook] = enable
+        wrappers[target.enable_hook] = _enable_wrapper(force)
     if target.clamp:
         wrappers[target.disable_hook] = _clamped_disable
     return wrappers
