@@ -1,4 +1,5 @@
-"""Shared helpers of the benchmarks: the tiny OLMoE, upstream's fix, cache accounting, machine info.
+"""What the memory benchmarks share: their configurations, upstream's fix, the tiny OLMoE, cache
+accounting. The measuring (rounds, ratios, results) is ``_harness.py``'s.
 
 Not a test helper and not part of the package: the scripts in this folder import it by path
 (``python benchmarks/<script>.py`` puts this folder first on ``sys.path``).
@@ -6,19 +7,12 @@ Not a test helper and not part of the package: the scripts in this folder import
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
-DOCS = ROOT / "docs"
+from _harness import ROOT
 
 #: The three configurations of the memory benchmark, in the order they are reported.
 UNFIXED = "unfixed"
@@ -118,78 +112,3 @@ def rss_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "processor": _cpu_model(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.cuda.is_available()
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["cuda_version"] = torch.version.cuda
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["bitsandbytes"] = version("bitsandbytes")
-        info["transformers"] = version("transformers")
-    except Exception:
-        pass
-    return info
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    print(f"wrote {_shown(path)}", file=sys.stderr)
-
-
-def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {_shown(path)}", file=sys.stderr)
-
-
-def write_results(output: Path, result: dict[str, Any], table: str) -> None:
-    """A benchmark's result: JSON at ``output``, its Markdown table beside it, the table printed."""
-    write_json(output, result)
-    write_text(output.with_suffix(".md"), table)
-    print(table)
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.1f} MiB"

@@ -33,6 +33,7 @@ import sys
 import time
 
 import _common as common
+import _harness as harness
 import memory
 
 FULL_LAYERS = ["1", "16"]
@@ -49,7 +50,7 @@ def full(device: str, forwarded: list[str], plot_it: bool) -> int:
     if smoke:
         arguments += ["--smoke", "--seq", "32"]
     else:
-        arguments += ["--output", str(common.RESULTS / "olmoe-full-cuda.json")]
+        arguments += ["--output", str(harness.RESULTS / "olmoe-full-cuda.json")]
     started = time.perf_counter()
     result = olmoe_full.main(arguments)
     assert result is not None
@@ -58,7 +59,7 @@ def full(device: str, forwarded: list[str], plot_it: bool) -> int:
         try:
             import plot
 
-            plot.plot_full(result, common.DOCS / "memory-olmoe-cuda.png")
+            plot.plot_full(result, harness.DOCS / "memory-olmoe-cuda.png")
         except ImportError as error:
             print(f"not plotting ({error}); pip install matplotlib", file=sys.stderr)
     return 0
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", file=sys.stderr)
     if args.full:
         return full(args.device, forwarded, not args.no_plot)
-    output = common.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
+    output = harness.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
     memory_args = ["--device", args.device, "--output", str(output), *forwarded]
     if smoke and "--quick" not in forwarded:
         memory_args.append("--quick")
@@ -93,16 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     if not smoke:
         for config in common.CONFIGS:
             final = result["configs"][config]["final"]
+            growth = harness.mib(final["allocated_growth_bytes"])
             print(
-                f"{config:>14}: cache {common.mib(final['cache_bytes'])} held, allocated after last step "
-                f"{common.mib(final['allocated_bytes'])} (grew {common.mib(final['allocated_growth_bytes'])} "
-                f"since step 1), peak {common.mib(final['max_allocated_bytes'])}"
+                f"{config:>14}: cache {harness.mib(final['cache_bytes'])} held, allocated after last step "
+                f"{harness.mib(final['allocated_bytes'])} (grew {growth} since step 1), "
+                f"peak {harness.mib(final['max_allocated_bytes'])}"
             )
     if not smoke and not args.no_plot:
         try:
             import plot
 
-            plot.plot(plot._load(common.RESULTS / "memory-cpu.json"), result, common.DOCS / "memory.png")
+            plot.plot(plot._load(harness.RESULTS / "memory-cpu.json"), result, harness.DOCS / "memory.png")
         except ImportError as error:
             print(
                 f"not plotting ({error}); pip install matplotlib, then run benchmarks/plot.py",

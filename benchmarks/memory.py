@@ -31,16 +31,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import _common as common
+import _harness as harness
+from _harness import emit
 
-MARK = "@@"
-
+#: The worker's options, passed on by the driver.
+WORKER_OPTIONS = ("device", "dtype", "layers", "experts", "hidden", "batch", "seq", "threads")
 
 # --------------------------------------------------------------------------- the worker
-
-
-def _emit(message: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(message) + "\n")
-    sys.stdout.flush()
 
 
 def _fix_state(config: str) -> dict[str, Any]:
@@ -87,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     hooks = {"pre": len(experts._forward_pre_hooks), "post": len(experts._forward_hooks)}
     if cuda:
         torch.cuda.synchronize()
-    _emit(
+    emit(
         {
             "ready": config,
             "build_s": time.perf_counter() - started,
@@ -131,9 +128,9 @@ def worker(args: argparse.Namespace) -> None:
             if cuda:
                 record["allocated_bytes"] = torch.cuda.memory_allocated()
                 record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            _emit({"record": record})
+            emit({"record": record})
             step += 1
-        _emit({"segment_s": time.perf_counter() - segment_started})
+        emit({"segment_s": time.perf_counter() - segment_started})
 
 
 # --------------------------------------------------------------------------- the driver
@@ -144,35 +141,16 @@ class Worker:
 
     def __init__(self, config: str, args: argparse.Namespace) -> None:
         self.config = config
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            config,
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--layers",
-            str(args.layers),
-            "--experts",
-            str(args.experts),
-            "--hidden",
-            str(args.hidden),
-            "--batch",
-            str(args.batch),
-            "--seq",
-            str(args.seq),
-            "--threads",
-            str(args.threads),
-        ]
+        command = [sys.executable, str(Path(__file__).resolve()), "--worker", config]
+        for option in WORKER_OPTIONS:
+            command += [f"--{option}", str(getattr(args, option))]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=common.config_env(config),
-            cwd=common.ROOT,
+            cwd=harness.ROOT,
         )
         self.ready: dict[str, Any] = {}
         self.records: list[dict[str, Any]] = []
@@ -180,8 +158,8 @@ class Worker:
     def _read(self) -> dict[str, Any]:
         stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
         for line in stdout:
-            if line.startswith(MARK):
-                message: dict[str, Any] = json.loads(line[len(MARK) :])
+            message = harness.message_of(line)
+            if message is not None:
                 return message
         code = self.process.wait()
         raise SystemExit(f"the {self.config} worker exited with status {code} (its stderr is above)")
@@ -234,7 +212,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"step {done:3d}  "
                 + "  ".join(
-                    f"{c}: counter {r['counter']:4d} cache {common.mib(r['cache_bytes'])}"
+                    f"{c}: counter {r['counter']:4d} cache {harness.mib(r['cache_bytes'])}"
                     for c, r in last.items()
                 ),
                 file=sys.stderr,
@@ -266,7 +244,7 @@ def summarise(
             "cache_entries": last["cache_entries"],
             "cache_bytes": last["cache_bytes"],
             "max_cache_bytes_after_a_step": max(r["cache_bytes"] for r in records),
-            "median_step_s": common.median([r["step_s"] for r in records]),
+            "median_step_s": harness.median([r["step_s"] for r in records]),
             "rss_bytes": last["rss_bytes"],
         }
         if "allocated_bytes" in last:
@@ -283,6 +261,7 @@ def summarise(
     # The first round holds each worker's first step (lazy initialisation): left out.
     timed = rounds[1:] if len(rounds) > 1 else rounds
     ratios = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UPSTREAM] for r in timed]
+    ratio = harness.Spread.of(ratios)
     unfixed_ratios = [
         r["segment_s"][common.PACKAGE] / r["segment_s"][common.UNFIXED]
         for r in timed
@@ -292,7 +271,7 @@ def summarise(
     return {
         "benchmark": "memory",
         "device": args.device,
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "settings": {
             "layers": args.layers,
             "experts": args.experts,
@@ -316,13 +295,9 @@ def summarise(
             ),
             "extra_rounds": args.extra_rounds,
             "rounds": rounds,
-            "ratio_package_over_upstream": {
-                "median": common.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
-                "per_round": ratios,
-            },
-            "ratio_package_over_unfixed": {"median": common.median(unfixed_ratios)},
+            "ratio_package_over_upstream": {**ratio.record(), "per_round": ratios},
+            "result": harness.verdict(ratio, floor=None),
+            "ratio_package_over_unfixed": {"median": harness.median(unfixed_ratios)},
         },
         "losses_identical": losses[common.PACKAGE] == losses[common.UPSTREAM] == losses[common.UNFIXED],
         "notes": notes(args.device),
@@ -345,40 +320,45 @@ def notes(device: str) -> list[str]:
     return found
 
 
+def _row(config: str, final: dict[str, Any], cuda: bool) -> list[str]:
+    cache = f"{final['cache_bytes']:,} ({harness.mib(final['cache_bytes'])})"
+    row = [
+        config,
+        str(final["counter"]),
+        str(final["cache_entries"]),
+        cache,
+        f"{final['median_step_s'] * 1e3:.0f} ms",
+    ]
+    if cuda:
+        row += [harness.mib(final["allocated_bytes"]), harness.mib(final["max_allocated_bytes"])]
+    return row
+
+
 def markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     cuda = str(result["device"]).startswith("cuda")
     shape = f"{settings['layers']} layers, {settings['experts']} experts, hidden {settings['hidden']}"
-    lines = [
-        f"Tiny OLMoE, {shape}, "
-        f"{settings['dtype']}, batch {settings['batch']}x{settings['seq']}, gradient checkpointing, "
-        f"{settings['steps']} steps on {result['device']}.",
-        "",
+    header = [
+        "configuration",
+        "counter after last step",
+        "cache entries",
+        "cache bytes retained",
+        "median step",
     ]
-    header = (
-        "| configuration | counter after last step | cache entries | cache bytes retained | median step |"
-    )
-    rule = "|---|---:|---:|---:|---:|"
     if cuda:
-        header += " allocated after last step | peak allocated |"
-        rule += "---:|---:|"
-    lines += [header, rule]
-    for config in common.CONFIGS:
-        final = result["configs"][config]["final"]
-        row = (
-            f"| {config} | {final['counter']} | {final['cache_entries']} | "
-            f"{final['cache_bytes']:,} ({common.mib(final['cache_bytes'])}) | "
-            f"{final['median_step_s'] * 1e3:.0f} ms |"
-        )
-        if cuda:
-            row += f" {common.mib(final['allocated_bytes'])} | {common.mib(final['max_allocated_bytes'])} |"
-        lines.append(row)
-    ratio = result["timing"]["ratio_package_over_upstream"]
-    lines += [
+        header += ["allocated after last step", "peak allocated"]
+    rows = [_row(config, result["configs"][config]["final"], cuda) for config in common.CONFIGS]
+    per_round = result["timing"]["ratio_package_over_upstream"]["per_round"]
+    ratio = harness.Spread.of(per_round)
+    lines = [
+        f"Tiny OLMoE, {shape}, {settings['dtype']}, batch {settings['batch']}x{settings['seq']}, "
+        f"gradient checkpointing, {settings['steps']} steps on {result['device']}.",
         "",
-        f"Step time bnb-gc-fix / upstream-0.50: **{ratio['median']:.3f}x** (median of "
-        f"{len(ratio['per_round'])} alternating rounds of {settings['segment_steps']} steps, "
-        f"range {ratio['min']:.3f}-{ratio['max']:.3f}).",
+        *harness.table(header, rows),
+        "",
+        f"Step time bnb-gc-fix / upstream-0.50: **{result['timing']['result']}** (median {ratio.text()} "
+        f"over {len(per_round)} alternating rounds of {settings['segment_steps']} steps, "
+        f"range {ratio.min:.3f}-{ratio.max:.3f}).",
         f"Losses identical in all three configurations: {result['losses_identical']}.",
         "",
     ]
@@ -408,14 +388,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=common.CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.experts, args.hidden, args.steps, args.segment, args.extra_rounds = (
-            2,
-            8,
-            128,
-            10,
-            2,
-            2,
-        )
+        quick = {"layers": 2, "experts": 8, "hidden": 128, "steps": 10, "segment": 2, "extra_rounds": 2}
+        vars(args).update(quick)
     return args
 
 
@@ -428,9 +402,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = drive(args)
     result["wall_s"] = time.perf_counter() - started
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    folder = common.RESULTS / "tmp" if args.quick else common.RESULTS  # quick runs are not results
-    output: Path = args.output or folder / f"memory-{kind}{'-quick' if args.quick else ''}.json"
-    common.write_results(output, result, markdown(result))
+    name = f"memory-{kind}{'-quick' if args.quick else ''}.json"
+    output = harness.output_path(name, args.quick, args.output)
+    harness.write_results(output, result, markdown(result))
     return result
 
 

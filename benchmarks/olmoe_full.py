@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import _common as common
+import _harness as harness
 import _olmoe_full as full
 
-MARK = "@@"
 WORKAROUND = "workaround"
 COLUMNS = (common.UNFIXED, common.PACKAGE, common.UPSTREAM, WORKAROUND)
 DESCRIPTIONS = {
@@ -62,11 +62,6 @@ def _env(column: str) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- the worker
-
-
-def _emit(message: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(message) + "\n")
-    sys.stdout.flush()
 
 
 def proc_status(pid: int | str = "self") -> dict[str, int]:
@@ -166,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     if cuda:
         torch.cuda.synchronize()
     build_status = proc_status()
-    _emit(
+    harness.emit(
         {
             "ready": column,
             "build_s": time.perf_counter() - started,
@@ -208,7 +203,7 @@ def worker(args: argparse.Namespace) -> None:
         if cuda:
             record["allocated_bytes"] = torch.cuda.memory_allocated()
             record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        _emit({"record": record})
+        harness.emit({"record": record})
 
 
 # --------------------------------------------------------------------------- the driver
@@ -248,13 +243,14 @@ def run_column(column: str, layers: int, args: argparse.Namespace) -> dict[str, 
     command += ["--smoke"] if args.smoke else []
     command += ["--no-cache"] if args.no_cache else []
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env(column), cwd=common.ROOT)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env(column), cwd=harness.ROOT)
     messages: list[dict[str, Any]] = []
 
     def read(stdout: IO[str]) -> None:
         for line in stdout:
-            if line.startswith(MARK):
-                messages.append(json.loads(line[len(MARK) :]))
+            message = harness.message_of(line)
+            if message is not None:
+                messages.append(message)
 
     reader = threading.Thread(target=read, args=(process.stdout,), daemon=True)
     reader.start()
@@ -331,7 +327,7 @@ def summarise_run(run: dict[str, Any]) -> dict[str, Any]:
             "peak_rss_training": max(r["peak_rss_bytes"] or 0 for r in records),
             "rss_after_last_step": last["rss_bytes"],
             "first_step_s": records[0]["step_s"],
-            "median_step_s": common.median([r["step_s"] for r in records[1:] or records]),
+            "median_step_s": harness.median([r["step_s"] for r in records[1:] or records]),
         }
     )
     if "max_allocated_bytes" in last:
@@ -367,7 +363,7 @@ def drive(args: argparse.Namespace, output: Path) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "olmoe-full",
         "device": args.device,
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "settings": {
             "model": "allenai/OLMoE-1B-7B-0924 shapes" if not args.smoke else "reduced width (smoke)",
             "shape": {k: v for k, v in (full.SMOKE if args.smoke else full.OLMOE_1B_7B).items()},
@@ -403,7 +399,7 @@ def drive(args: argparse.Namespace, output: Path) -> dict[str, Any]:
                 stopped_at[column] = f"stopped at {layers} layers: {run['stopped']}"
             result["wall_s"] = time.perf_counter() - started
             result["anchor"] = anchor(result["runs"])
-            common.write_json(output, result)  # after every run, so a stopped benchmark keeps its figures
+            harness.write_json(output, result)  # after every run, so a stopped benchmark keeps its figures
     result["largest_layer_count"] = {
         column: max(
             (
@@ -428,8 +424,8 @@ def _progress(run: dict[str, Any]) -> None:
         print(f"   {run['column']}: no step ({run['stopped']})", file=sys.stderr, flush=True)
         return
     print(
-        f"   {run['column']}: counters {s['counters']} cache {[common.mib(b) for b in s['cache_bytes']]} "
-        f"(expected {common.mib(s['expected_cache_bytes'])}), "
+        f"   {run['column']}: counters {s['counters']} cache {[harness.mib(b) for b in s['cache_bytes']]} "
+        f"(expected {harness.mib(s['expected_cache_bytes'])}), "
         f"peak RSS {s['peak_rss_training'] / GIB:.2f} GiB, "
         f"step {s['median_step_s']:.1f} s, build {run.get('build_s', 0):.0f} s"
         + (f"; STOPPED: {run['stopped']}" if run["stopped"] else ""),
@@ -578,11 +574,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         prepare(args)
         return None
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    folder = common.RESULTS / "tmp" if args.smoke else common.RESULTS
+    folder = harness.RESULTS / "tmp" if args.smoke else harness.RESULTS
     output: Path = args.output or folder / f"olmoe-full-{kind}{'-smoke' if args.smoke else ''}.json"
     if args.report:
         result = json.loads(output.read_text())
-        common.write_text(output.with_suffix(".md"), markdown(result))
+        harness.write_text(output.with_suffix(".md"), markdown(result))
         return result
     check = (
         None
@@ -594,7 +590,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = drive(args, output)
     result["chunking_check"] = check
     result["losses_identical"] = losses_identical(result)
-    common.write_results(output, result, markdown(result))
+    harness.write_results(output, result, markdown(result))
     return result
 
 

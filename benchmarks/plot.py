@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common
+import _harness as harness
 
 STYLE = {
     common.UNFIXED: {"color": "#c0392b", "linestyle": "-", "linewidth": 2.2},
@@ -251,14 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cpu", type=Path, default=common.RESULTS / "memory-cpu.json")
-    parser.add_argument("--cuda", type=Path, default=common.RESULTS / "memory-cuda.json")
-    parser.add_argument("--output", type=Path, default=common.DOCS / "memory.png")
+    parser.add_argument("--cpu", type=Path, default=harness.RESULTS / "memory-cpu.json")
+    parser.add_argument("--cuda", type=Path, default=harness.RESULTS / "memory-cuda.json")
+    parser.add_argument("--output", type=Path, default=harness.DOCS / "memory.png")
     parser.add_argument(
         "--full",
         type=Path,
         nargs="?",
-        const=common.RESULTS / "olmoe-full-cpu.json",
+        const=harness.RESULTS / "olmoe-full-cpu.json",
         help="plot olmoe_full.py's result (default results/olmoe-full-cpu.json) to docs/memory-olmoe.png",
     )
     args = parser.parse_args(argv)
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
         if result is None:
             raise SystemExit(f"no {args.full}: run benchmarks/olmoe_full.py first")
         output = (
-            args.output if args.output != common.DOCS / "memory.png" else common.DOCS / "memory-olmoe.png"
+            args.output if args.output != harness.DOCS / "memory.png" else harness.DOCS / "memory-olmoe.png"
         )
         plot_full(result, output)
         return

@@ -37,7 +37,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import _harness as harness
 
 PROBE = "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))"
 
@@ -48,10 +48,10 @@ def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 def build_wheel(outdir: Path) -> Path:
     try:
-        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(common.ROOT)])
+        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(harness.ROOT)])
     except (subprocess.CalledProcessError, FileNotFoundError) as error:
         print(f"python -m build failed ({error}); trying pip wheel", file=sys.stderr)
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(common.ROOT)])
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(harness.ROOT)])
     wheels = sorted(outdir.glob("bnb_gc_fix-*.whl"))
     if not wheels:
         raise SystemExit(f"no wheel was built in {outdir}")
@@ -100,39 +100,36 @@ def time_once(python: Path, env: dict[str, str]) -> tuple[float, float]:
 
 
 def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    ratios = [row[f"with_{kind}_ms"] / row[f"without_{kind}_ms"] for row in rows]
+    """Medians of the ``kind`` (wall or cpu) times with and without the package, and of the pairs' ratios."""
+    with_ms = [row[f"with_{kind}_ms"] for row in rows]
+    without_ms = [row[f"without_{kind}_ms"] for row in rows]
+    ratio = harness.Spread.of(harness.ratios(with_ms, without_ms))
     return {
-        "median_with_ms": common.median([row[f"with_{kind}_ms"] for row in rows]),
-        "median_without_ms": common.median([row[f"without_{kind}_ms"] for row in rows]),
-        "median_difference_ms": common.median(
-            [row[f"with_{kind}_ms"] - row[f"without_{kind}_ms"] for row in rows]
-        ),
-        "ratio": {"median": common.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "median_with_ms": harness.median(with_ms),
+        "median_without_ms": harness.median(without_ms),
+        "median_difference_ms": harness.median([a - b for a, b in zip(with_ms, without_ms)]),
+        "ratio": ratio.record(),
+        "result": harness.verdict(ratio, floor=None),
+    }
+
+
+def _pair(index: int, with_package: tuple[float, float], without: tuple[float, float]) -> dict[str, Any]:
+    """One pair's record: its wall and CPU times, and which side ran first."""
+    return {
+        "with_wall_ms": with_package[0],
+        "without_wall_ms": without[0],
+        "with_cpu_ms": with_package[1],
+        "without_cpu_ms": without[1],
+        "first": harness.order_of(["with", "without"], index)[0],
     }
 
 
 def measure(with_package: Path, without: Path, pairs: int, warmup: int) -> dict[str, Any]:
     env = clean_env()
-    for _ in range(warmup):
-        time_once(with_package, env)
-        time_once(without, env)
-    rows: list[dict[str, Any]] = []
-    for index in range(pairs):
-        if index % 2 == 0:
-            a = time_once(with_package, env)
-            b = time_once(without, env)
-        else:
-            b = time_once(without, env)
-            a = time_once(with_package, env)
-        rows.append(
-            {
-                "with_wall_ms": a[0],
-                "without_wall_ms": b[0],
-                "with_cpu_ms": a[1],
-                "without_cpu_ms": b[1],
-                "first": "with" if index % 2 == 0 else "without",
-            }
-        )
+    sides = {"with": lambda: time_once(with_package, env), "without": lambda: time_once(without, env)}
+    harness.alternate(sides, warmup)
+    timed = harness.alternate(sides, pairs)
+    rows = [_pair(index, *pair) for index, pair in enumerate(zip(timed["with"], timed["without"]))]
     wall = _summary(rows, "wall")
     return {
         "pairs": pairs,
@@ -209,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             shutil.rmtree(workdir, ignore_errors=True)
     result: dict[str, Any] = {
         "benchmark": "startup",
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "command": "python -c pass",
         "wheel": wheel.name,
         "environments": (
@@ -227,15 +224,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "variants": variants,
         "wall_s": time.perf_counter() - started,
     }
-    output: Path = args.output or common.RESULTS / "startup.json"
-    common.write_json(output, result)
+    output: Path = args.output or harness.RESULTS / "startup.json"
+    harness.write_json(output, result)
     for kind in ("wall", "cpu"):
         figures = measured[kind]
         print(
             f"python -c pass, {kind}: {figures['median_with_ms']:.2f} ms with the package, "
             f"{figures['median_without_ms']:.2f} ms without, "
             f"difference {figures['median_difference_ms']:.2f} ms; "
-            f"ratio {figures['ratio']['median']:.3f} (median of {args.pairs} pairs)"
+            f"ratio {harness.Spread(**figures['ratio']).text()} (median of {args.pairs} pairs): "
+            f"{figures['result']}"
         )
     print(f"goal {measured['goal']}: {'met' if measured['met'] else 'NOT met'}")
     for name, figures in variants.items():
