@@ -1,73 +1,103 @@
-"""Start-up hook of bnb-gc-fix, imported by ``bnb_gc_fix.pth`` in every Python process: standard library only.
+"""The start-up hook of bnb-gc-fix: a finder on ``sys.meta_path`` that activates the fix the moment
+bitsandbytes' code is about to run. Standard library only.
 
-It lives outside the ``bnb_gc_fix`` package on purpose: importing the package pulls in wrapt and
-packaging (tens of milliseconds). Importing this file touches only ``os``, ``sys`` and ``_thread``,
-which the interpreter has loaded by the time ``site`` processes ``.pth`` files.
+Every Python process of the environment runs it: ``bnb_gc_fix.pth`` imports it and calls
+:func:`install_quietly` (``bnb_gc_fix.start`` names the same function for Pythons that run start-up
+entry points instead of ``.pth`` import lines), and so does the runner's ``sitecustomize``. It lives
+outside the package on purpose: importing the package pulls in wrapt and packaging (tens of
+milliseconds). At start-up this file imports only ``_bnb_gc_fix_vocabulary`` and modules the
+interpreter has already loaded.
 
-The path from interpreter start to a gated module: (1) :func:`install` reads ``BNB_GC_FIX`` and, unless
-it switches the fix off, inserts a :class:`BitsandbytesWatcher` at the front of ``sys.meta_path``;
-(2) when bitsandbytes' code is about to run, the watcher's loader imports ``bnb_gc_fix``, whose last
-line activates the fix (``bnb_gc_fix/activation.py``); (3) activation asks :func:`when_imported` to call
-back once ``bitsandbytes.nn.parametrize`` has run, then decides (``decide.py``) and wraps its functions
-(``patch.py``); (4) every module quantized from then on gets a gate (``gate.py``). Every failure on this
-path is silent here; ``bnb-gc-fix status`` says what happened. This module is also the one place that
-knows the ``BNB_GC_FIX`` vocabulary.
+The path from interpreter start to a gated module (``docs/how-it-works.md`` draws it):
+
+1. :func:`install` reads ``BNB_GC_FIX`` and, unless it switches the fix off, puts a
+   :class:`BitsandbytesWatcher` first on ``sys.meta_path``.
+2. When bitsandbytes is about to execute, the watcher's loader imports the package from this file's
+   own folder (:func:`import_ours`); the package's last line activates the fix
+   (``bnb_gc_fix/activation.py``).
+3. Activation asks ``_bnb_gc_fix_imports.when_imported`` to call back once
+   ``bitsandbytes.nn.parametrize`` has run, then decides (``decide.py``) and patches (``patch.py``).
+4. Every module quantized from then on gets a gate (``hooks.py`` puts it in place of the plain pair,
+   ``gate.py`` is the gate).
+
+Every failure on this path is silent here; ``bnb-gc-fix status`` says what happened.
 """
 
-# No `from __future__ import annotations`: the __future__ module is not loaded at start-up, and
-# importing it would cost every Python process. Annotations that need it are quoted.
-import _thread  # built in, loaded before site runs (the import system's own locks)
+# No `from __future__ import annotations`: see _bnb_gc_fix_vocabulary.
 import os
 import sys
 
+import _bnb_gc_fix_vocabulary as vocabulary
+
 TYPE_CHECKING = False  # typing is not loaded at start-up either; mypy reads this name as True
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
     from importlib.abc import Loader
     from importlib.machinery import ModuleSpec
     from types import ModuleType
     from typing import Any
 
-VARIABLE = "BNB_GC_FIX"
-AUTO, ON, OFF, FORCE = "auto", "on", "off", "force"
-_VALUES = {"": AUTO, "auto": AUTO, "force": FORCE}
-_VALUES.update(dict.fromkeys(("1", "on", "true", "yes"), ON))
-_VALUES.update(dict.fromkeys(("0", "off", "false", "no"), OFF))
-ACCEPTED = "auto (or unset), 1/on/true/yes, 0/off/false/no, force"
+#: The folder this file was installed in, where the package and our other top-level modules live.
+HERE = os.path.dirname(os.path.abspath(__file__))
+#: Our top-level modules, loaded from :data:`HERE` before the package, which imports them by name.
+_OUR_MODULES = ("_bnb_gc_fix_vocabulary", "_bnb_gc_fix_imports", "_bnb_gc_fix_cache")
 
-_TRIGGERED_MODULE = "bitsandbytes"
-#: The modules the package patches (``bnb_gc_fix.targets.TARGETS``; a test checks that they agree).
-_TARGET_MODULES = ("bitsandbytes.nn.parametrize", "axolotl.monkeypatch.moe_quant")
-_WATCHED = frozenset((_TRIGGERED_MODULE, *_TARGET_MODULES))
+# The same names as _bnb_gc_fix_imports.TRIGGER and WATCHED, which this file does not import at
+# start-up (that module is loaded when a watched module first executes).
+_TRIGGER = vocabulary.BITSANDBYTES.name
+_WATCHED = frozenset((_TRIGGER, *(library.module for library in vocabulary.LIBRARIES)))
 
-#: Which start-up path ran in this process ("start-up hook" or "runner"), whether or not
+#: Which start-up path ran in this process (a ``vocabulary.VIA_*`` value), whether or not
 #: ``BNB_GC_FIX`` then switched the fix off; None when neither ran.
 started_by: "str | None" = None
-#: The start-up path whose finder fired (saw bitsandbytes' code about to run); None until it has.
+#: The start-up path whose watcher fired (saw bitsandbytes' code about to run); None until one has.
 trigger: "str | None" = None
+#: Why the watcher could not load the package, if it could not; None otherwise.
+failure: "str | None" = None
 
 
-def parse(raw: "str | None") -> "tuple[str, bool]":
-    """``(mode, recognised)`` for a raw ``BNB_GC_FIX`` value (trimmed, case-insensitive; unknown means
-    auto, and the caller says so: the start-up hook stays silent, the package warns once)."""
-    mode = _VALUES.get("" if raw is None else raw.strip().lower())
-    return (AUTO, False) if mode is None else (mode, True)
+def import_ours(name: str) -> "ModuleType":
+    """Our module ``name`` from :data:`HERE`, never a same-named module earlier on ``sys.path`` (a
+    ``bnb_gc_fix.py`` in the working directory, say). One already imported is returned as it is.
+
+    This is importlib's own recipe for importing from a given place: find the spec, make the module,
+    put it in ``sys.modules``, execute it, and take it out again if that raises.
+    """
+    imported = sys.modules.get(name)
+    if imported is not None:
+        return imported
+    import importlib.util
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec(name, [HERE])
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{name} is not installed in {HERE}", name=name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return sys.modules[name]
 
 
-def forces(mode: str) -> bool:
-    """What ``force`` means, in one place: gate also where the pair is already right (upstream's
-    always-called pair, bitsandbytes 0.50), for the gate's Ctrl-C healing."""
-    return mode == FORCE
+def is_watcher(finder: object) -> bool:
+    """Whether ``finder`` is one of ours (the start-up hook's, the runner's or activation's)."""
+    return bool(getattr(finder, "bnb_gc_fix_watcher", False))
 
 
 class BitsandbytesWatcher:
-    """A meta-path finder: for a watched module it asks the finders after it, as the import system would,
-    and returns their spec with its loader wrapped (:class:`_WatchingLoader`), changing neither what an
-    import finds nor ``sys.meta_path``. The fix activates when that loader executes bitsandbytes, by any
-    path (``import``, ``LazyLoader``, ``exec_module``); a lookup alone (``importlib.util.find_spec``, as
-    transformers does) activates nothing. ``via`` is None for the package's own watcher."""
+    """A meta-path finder that changes neither what an import finds nor ``sys.meta_path``.
 
-    bnb_gc_fix_watcher = True
+    For a watched module it asks the finders after it, as the import system would, and returns their
+    spec with its loader wrapped (:class:`WatchingLoader`). The fix activates when that loader executes
+    bitsandbytes, by any path (``import``, ``LazyLoader``, ``exec_module``); a lookup alone
+    (``importlib.util.find_spec``, as transformers does) activates nothing. ``via`` is None for the
+    watcher activation puts first (it reports and activates nothing itself).
+    """
+
+    bnb_gc_fix_watcher = True  # how every copy of this file recognises a watcher (see is_watcher)
 
     def __init__(self, via: "str | None") -> None:
         self.via = via
@@ -78,44 +108,59 @@ class BitsandbytesWatcher:
     ) -> "ModuleSpec | None":
         if fullname not in _WATCHED:
             return None
-        spec: ModuleSpec | None = None
         try:
-            finders: list[Any] = list(sys.meta_path)  # a copy: the import system may be iterating it
-            for finder in finders[finders.index(self) + 1 :] if self in finders else []:
-                find_spec = getattr(finder, "find_spec", None)
-                spec = None if find_spec is None else find_spec(fullname, path, target)
-                if spec is not None:
-                    break
+            spec = self._spec_from_later_finders(fullname, path, target)
         except Exception:  # a later finder failed: the import system will ask it again and say so
-            if fullname == _TRIGGERED_MODULE:
+            if fullname == _TRIGGER:
                 self.fire()
             return None
-        if spec is None or isinstance(spec.loader, _WatchingLoader):
+        if spec is None or isinstance(spec.loader, WatchingLoader):
             return spec
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _WatchingLoader(spec.loader, fullname, self)  # type: ignore[assignment]
-        elif fullname == _TRIGGERED_MODULE:
+            spec.loader = WatchingLoader(spec.loader, fullname, self)  # type: ignore[assignment]
+        elif fullname == _TRIGGER:
             self.fire()  # a spec we cannot wrap: activate now, as the import is about to load it
         return spec
 
+    def _spec_from_later_finders(
+        self, fullname: str, path: "Sequence[str] | None", target: "ModuleType | None"
+    ) -> "ModuleSpec | None":
+        """What the finders after this one answer, asked in order as the import system asks them."""
+        finders: list[Any] = list(sys.meta_path)  # a copy: the import system may be iterating it
+        later = finders[finders.index(self) + 1 :] if self in finders else []
+        for finder in later:
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec: ModuleSpec | None = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
     def fire(self) -> None:
-        """Import bnb_gc_fix, which activates the fix; once only, and never raises into the importer."""
-        global trigger
+        """Import the package from :data:`HERE`, which activates the fix; once only. Never raises into
+        the importer: a broken install must never break ``import bitsandbytes``."""
+        global trigger, failure
         if self.fired or self.via is None:
             return
         self.fired = True
         trigger = self.via
         try:
-            import bnb_gc_fix  # noqa: F401  (the import activates the fix)
-        except Exception:  # a broken install must never break `import bitsandbytes`
-            pass
+            for name in _OUR_MODULES:
+                import_ours(name)
+            import_ours("bnb_gc_fix")  # its last line activates the fix
+        except Exception as error:
+            failure = f"{type(error).__name__}: {error}"
 
 
-class _WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none
-    """A watched module's loader: the real one (``create_module``, ``exec_module``, anything else is the
-    real loader's), and a word to us when it executes. ``exec_module`` first puts the real loader back on
-    the module and its spec, so nothing anyone sees changes; for bitsandbytes it activates the fix before
-    the module's code runs; once the code has run to its end it calls back (:func:`when_imported`)."""
+class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none
+    """A watched module's loader: the real one, and a word to us when it executes.
+
+    ``create_module``, ``exec_module`` and anything else are the real loader's. ``exec_module`` first
+    puts the real loader back on the module and its spec, so nothing anyone sees changes; for
+    bitsandbytes it activates the fix before the module's code runs; once the code has run to its end
+    it tells the post-import registry (``_bnb_gc_fix_imports``), which runs what activation asked for.
+    """
 
     def __init__(self, loader: "Loader", name: str, watcher: BitsandbytesWatcher) -> None:
         self.loader = loader
@@ -129,93 +174,70 @@ class _WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, 
 
     def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
         create = getattr(self.loader, "create_module", None)
-        return None if create is None else create(spec)
+        if create is None:
+            return None
+        return create(spec)  # type: ignore[no-any-return]
 
     def exec_module(self, module: "ModuleType") -> None:
-        spec = getattr(module, "__spec__", None)
-        if getattr(spec, "loader", None) is self:
-            spec.loader = self.loader  # type: ignore[union-attr]
-        if getattr(module, "__loader__", None) is self:
-            module.__loader__ = self.loader
-        if self.name == _TRIGGERED_MODULE:
+        self._put_real_loader_back(module)
+        if self.name == _TRIGGER:
             self.watcher.fire()
-        with _LOCK:
-            _EXECUTING.add(self.name)
+        registry = _registry()
+        if registry is None:  # our files are broken: load the module as if we were not here
+            self.loader.exec_module(module)
+            return
+        registry.started(self.name)
         completed = False
         try:
             self.loader.exec_module(module)
             completed = True
         finally:
-            with _LOCK:
-                _EXECUTING.discard(self.name)
-                # After a failure the import system drops the half module: wait for the next import.
-                callbacks = _CALLBACKS.pop(self.name, set()) if completed else set()
-            for callback in callbacks:
-                try:
-                    callback(self.name)
-                except Exception:  # never break the user's import
-                    pass
+            registry.finished(self.name, completed)
+
+    def _put_real_loader_back(self, module: "ModuleType") -> None:
+        spec = getattr(module, "__spec__", None)
+        if getattr(spec, "loader", None) is self:
+            spec.loader = self.loader  # type: ignore[union-attr]
+        if getattr(module, "__loader__", None) is self:
+            module.__loader__ = self.loader
 
 
-_LOCK = _thread.allocate_lock()
-_EXECUTING: "set[str]" = set()
-_CALLBACKS: "dict[str, set[Callable[[str], None]]]" = {}
-
-
-def _renew_lock() -> None:
-    global _LOCK
-    _LOCK = _thread.allocate_lock()  # a forked child never waits on a lock a parent thread held
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_renew_lock)
-
-
-def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
-    """Call ``callback(name)`` once the watched module ``name`` has run to its end through a watcher's
-    loader: the import under way now, else the next successful one. A watcher goes first on
-    ``sys.meta_path`` unless one is (a finder put in front of the start-up hook's may answer for the
-    module; wrapt's post-import hooks do the same). False, and never called, when ``name`` is imported
-    already or being imported by a loader no watcher wraps. What a callback raises is dropped; one
-    registered twice runs once."""
-    if name not in _WATCHED:
-        return False
-    with _LOCK:
-        if name in sys.modules and name not in _EXECUTING:
-            return False
-        _CALLBACKS.setdefault(name, set()).add(callback)
-        if name in _EXECUTING:
-            return True
-    if not (sys.meta_path and getattr(sys.meta_path[0], "bnb_gc_fix_watcher", False)):
-        sys.meta_path.insert(0, BitsandbytesWatcher(None))  # an import's code runs, not a find loop
-    return True
+def _registry() -> "Any":
+    """The post-import registry (``_bnb_gc_fix_imports``), loaded from :data:`HERE`; None if it fails."""
+    try:
+        return import_ours("_bnb_gc_fix_imports")
+    except Exception:
+        return None
 
 
 def installed_watcher() -> "BitsandbytesWatcher | None":
-    """The start-up hook's or the runner's watcher on ``sys.meta_path``, if one installed it."""
+    """The start-up hook's or the runner's watcher on ``sys.meta_path``, if one was installed."""
     for finder in sys.meta_path:
-        if getattr(finder, "bnb_gc_fix_watcher", False) and getattr(finder, "via", None) is not None:
+        if is_watcher(finder) and getattr(finder, "via", None) is not None:
             return finder  # type: ignore[return-value]
     return None
 
 
-def install(via: str = "start-up hook") -> bool:
+def install(via: str = vocabulary.VIA_STARTUP_HOOK) -> bool:
     """Arrange for the fix to activate when bitsandbytes is first executed (at once if it already is).
-    False when ``BNB_GC_FIX`` switches it off."""
+    Returns False when ``BNB_GC_FIX`` switches the fix off. Safe to call more than once."""
     global started_by
     started_by = via
-    if parse(os.environ.get(VARIABLE))[0] == OFF:
+    mode, _ = vocabulary.parse(os.environ.get(vocabulary.VARIABLE))
+    if mode == vocabulary.OFF:
         return False
-    if installed_watcher() is None:
-        watcher = BitsandbytesWatcher(via)
-        sys.meta_path.insert(0, watcher)
-        if _TRIGGERED_MODULE in sys.modules:
-            watcher.fire()
+    if installed_watcher() is not None:
+        return True
+    watcher = BitsandbytesWatcher(via)
+    sys.meta_path.insert(0, watcher)
+    if _TRIGGER in sys.modules:
+        watcher.fire()
     return True
 
 
-def install_quietly(via: str = "start-up hook") -> None:
-    """Entry point for ``bnb_gc_fix.pth`` and the runner: prints nothing, raises nothing."""
+def install_quietly(via: str = vocabulary.VIA_STARTUP_HOOK) -> None:
+    """The entry point of ``bnb_gc_fix.pth``, ``bnb_gc_fix.start`` and the runner: prints nothing,
+    raises nothing, and may be called with no arguments."""
     try:
         install(via)
     except Exception:

@@ -1,21 +1,43 @@
-"""torch's parametrization cache, read and released without ever importing torch: ``_cache_enabled``
-counts the holds on the global cache (on while not 0, below 0 included), ``_cache`` keeps what is computed
-while it is on. Top-level and stdlib-only, for the pytest plugin (which must not import the package).
+"""torch's parametrization cache, read and released without ever importing torch.
+
+``_cache_enabled`` counts the holds on the global cache (the cache is on while it is not 0, below 0
+included); ``_cache`` keeps what is computed while it is on. This module is a leaf: it imports only the
+standard library and ``_bnb_gc_fix_vocabulary``, for the pytest plugin, which must not import the
+package (importing the package activates the fix). The package learns of a :func:`reset` by
+registering with :func:`on_reset`.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
+import _bnb_gc_fix_vocabulary as vocabulary
+
 PARAMETRIZE = "torch.nn.utils.parametrize"
-# What usually leaves the cache switched on: the sentence every report of a leak gives.
+
+
+def _affected(library: vocabulary.Facts, function: str) -> str:
+    return f"{library.name} {library.first_affected} to before {library.first_fixed}: {function}"
+
+
+#: What usually leaves the cache switched on: the sentence every report of a leak gives.
 CAUSE = (
     "usually a forward left by an exception that skipped the forward hook switching the cache off: "
-    "non-reentrant activation checkpointing stopping its recompute early (bitsandbytes 0.48-0.49 "
-    "replace_parameter_4bit, axolotl <= 0.19 replace_parameter_8bit), or a KeyboardInterrupt (a "
-    "notebook's stop button)"
+    "non-reentrant activation checkpointing stopping its recompute early ("
+    f"{_affected(vocabulary.BITSANDBYTES, 'replace_parameter_4bit')}; "
+    f"{_affected(vocabulary.AXOLOTL, 'replace_parameter_8bit')}), "
+    "or a KeyboardInterrupt (a notebook's stop button)"
 )
+
+_reset_callbacks: list[Callable[[], None]] = []
+
+
+def on_reset(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever :func:`reset` releases every hold (the gate forgets its own)."""
+    if callback not in _reset_callbacks:
+        _reset_callbacks.append(callback)
 
 
 def parametrize() -> Any:
@@ -48,16 +70,19 @@ def give_back(count: int) -> None:
 
 
 def reset(keep: int = 0) -> int:
-    """Set the counter to ``keep`` holds (never below 0, which torch reads as on), emptying the cache at
-    0 and every loaded gate's holds; returns how many holds were released."""
-    module, before = parametrize(), counter()
-    if keep <= 0 and (gate := sys.modules.get("bnb_gc_fix.gate")) is not None:
-        gate.forget_holds()
+    """Set the counter to ``keep`` holds (never below 0, which torch reads as on); at 0, also empty the
+    cache and tell whoever registered with :func:`on_reset`. Returns how many holds were released."""
+    keep = max(keep, 0)
+    before = counter()
+    if keep == 0:
+        for callback in _reset_callbacks:
+            callback()
+    module = parametrize()
     if module is not None:
-        module._cache_enabled = max(keep, 0)
-        if keep <= 0:
+        module._cache_enabled = keep
+        if keep == 0:
             module._cache = {}
-    return max(before - max(keep, 0), 0)
+    return max(before - keep, 0)
 
 
 def gil_enabled() -> bool:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import _bnb_gc_fix_boot
 import _bnb_gc_fix_cache
+import _bnb_gc_fix_vocabulary
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
 from bnb_gc_fix.activation import deactivate
@@ -57,11 +59,11 @@ def repair(model: torch.nn.Module) -> int:
     """Give every module of ``model`` quantized before the fix was active one gate in place of its plain
     pairs (right pairs only under ``BNB_GC_FIX=force``); returns how many modules changed. A counter
     already stuck stays stuck: :func:`reset` releases it."""
-    import _bnb_gc_fix_boot as boot
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import hooks
 
-    force = boot.forces(_activation.process.mode)
-    return sum(gate.install(module, replace_always_called=force) for module in model.modules())
+    force = _bnb_gc_fix_vocabulary.forces(_activation.process.mode)
+    changed = [hooks.install(module, replace_always_called=force) for module in model.modules()]
+    return sum(changed)
 
 
 def reset() -> int:
@@ -70,4 +72,6 @@ def reset() -> int:
     return _bnb_gc_fix_cache.reset()
 
 
-_activation.activate(via="import")  # importing the package turns the fix on
+# Importing the package turns the fix on. The start-up hook's watcher notes that it fired just before
+# it imports the package; a user's own import finds no such note.
+_activation.activate(via=_bnb_gc_fix_boot.trigger or _bnb_gc_fix_vocabulary.VIA_IMPORT)

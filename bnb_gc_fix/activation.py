@@ -1,7 +1,11 @@
-"""Turning the fix on and off: ``activate()`` reads ``BNB_GC_FIX`` once, keeps it until the next
-``activate()``, and patches each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is
-imported, else once its import completes (:func:`_bnb_gc_fix_boot.when_imported`, the one import-watching
-mechanism). Each library is in one :class:`State`, set here only, with the sentence and verdict behind it.
+"""Turning the fix on and off, and where each library stands.
+
+``activate()`` reads ``BNB_GC_FIX`` once and keeps what it read until the next ``activate()``. It
+patches each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is imported, else once its
+import completes (``_bnb_gc_fix_imports.when_imported``, the one import-watching mechanism). Each
+library has one :class:`Library` record: its :class:`State`, the sentence behind it and the verdict
+that produced it. :meth:`Library.now` is the one place that says where a library stands right now;
+``status()`` only reports it.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import warnings
 import weakref
 from types import ModuleType
 
-import _bnb_gc_fix_boot as boot
-from bnb_gc_fix import decide, notebook
+import _bnb_gc_fix_imports as imports
+import _bnb_gc_fix_vocabulary as vocabulary
+from bnb_gc_fix import decide, installed, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
 from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
 
@@ -27,8 +32,9 @@ class State(enum.Enum):
     """Where one library stands; the value is the word ``status()`` reports."""
 
     PATCHED = "patched"  # our wrappers are its module's functions
-    UNPATCHED = "unpatched"  # never set here: status' word for PATCHED once a reload undid it
+    UNPATCHED = "unpatched"  # it was patched, and a reload has put its own functions back since
     ARMED = "armed"  # patched the moment its module is imported
+    NOT_INSTALLED = "not installed"  # it (or torch, which it needs) cannot be imported: nothing to patch
     NOT_NEEDED = "not needed"  # its code is right (upstream's fix), or it has nothing to patch
     OFF = "off"  # switched off by BNB_GC_FIX or deactivate()
     SKIPPED = "skipped"  # its code did not look as expected, or patching failed: one warning
@@ -57,63 +63,120 @@ class Library:
         return patch.is_applied(module, self.target)
 
     def set(self, state: State, reason: str) -> None:
-        self.state, self.reason = state, reason
+        self.state = state
+        self.reason = reason
+
+    def judge(self, module: ModuleType, mode: str) -> decide.Verdict:
+        """Decide on ``module`` (probing its code) and record the verdict."""
+        verdict = decide.judge(module, force=vocabulary.forces(mode), target=self.target)
+        self._verdict = (weakref.ref(module), verdict)
+        return verdict
 
     @property
     def decided(self) -> bool:
         return self._verdict is not None
 
-    def verdict(self, mode: str) -> decide.Verdict | None:
-        """The verdict on the module imported right now: the decision's, else made now to report (the
-        probe runs the library's own code on a throwaway module and patches nothing). Never raises."""
-        module = self.module()
-        if module is None or initializing(module):
+    def verdict(self) -> decide.Verdict | None:
+        """The verdict recorded on the module imported right now; None if it was never judged (or was
+        imported again since). Never probes."""
+        if self._verdict is None:
             return None
-        if self._verdict is None or self._verdict[0]() is not module:
-            try:
-                self.judge(module, mode)
-            except Exception:
-                return None
-        return None if self._verdict is None else self._verdict[1]
-
-    def judge(self, module: ModuleType, mode: str) -> decide.Verdict:
-        verdict = decide.judge(module, force=boot.forces(mode), target=self.target)
-        self._verdict = (weakref.ref(module), verdict)
+        module_ref, verdict = self._verdict
+        if module_ref() is not self.module():
+            return None
         return verdict
+
+    def now(self) -> tuple[State, str]:
+        """The state and its sentence as this process shows them right now: the recorded state,
+        unless what it promised no longer holds (a reload undid the patch; what an armed library
+        waits for is not installed, fails to import, or will never come)."""
+        if self.state is State.PATCHED and not self.applied():
+            return State.UNPATCHED, _UNPATCHED.format(module=self.target.module)
+        if self.state is State.ARMED and self.target is BITSANDBYTES:
+            return _armed_bitsandbytes(self.reason)
+        return self.state, self.reason
+
+
+_UNPATCHED = (
+    "{module} was reloaded or imported again after it was patched, so its own functions are back and "
+    "nothing is patched now; bnb_gc_fix.activate() patches it again"
+)
+
+
+def _armed_bitsandbytes(reason: str) -> tuple[State, str]:
+    """Armed bitsandbytes, as it stands now: waiting, or never coming (too old, not installed, or
+    failing to import). Reads ``sys.modules``, the import failures recorded by ``bnb-gc-fix`` commands,
+    and ``sys.path``; imports nothing."""
+    version = BITSANDBYTES.version()
+    if version is not None and decide.before_parametrize(version):  # it will never import parametrize
+        return State.NOT_NEEDED, f"{decide.no_parametrize(version)}; nothing to patch"
+    for name in ("torch", "bitsandbytes"):
+        if installed.absent(name):
+            return State.NOT_INSTALLED, _NOT_INSTALLED.format(name=name)
+    failed = installed.failures()
+    for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):
+        if name in failed and name not in sys.modules:
+            return State.ARMED, f"{failed[name]}; nothing to patch"
+    return State.ARMED, reason
+
+
+_NOT_INSTALLED = (
+    "{name} is not installed, so there is nothing to patch now; the fix checks and patches bitsandbytes "
+    "if it is installed and imported later in this process"
+)
 
 
 class _Process:
-    """What activation knows in this process: the libraries, the switch as last read, how it was turned on."""
+    """What activation knows in this process: the libraries, the switch as last read, how it was
+    turned on."""
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.libraries = {target.module: Library(target) for target in TARGETS}
-        self.switch: str | None = None  # BNB_GC_FIX as the last activation read it (activate())
-        self.mode = boot.AUTO
-        self.via: str | None = None
+        self.switch: str | None = None  # BNB_GC_FIX as the last activation read it
+        self.mode = vocabulary.AUTO
+        self.via: str | None = None  # a vocabulary.VIA_* value: what turned the fix on
         self.warned_switch = False
 
 
 process = _Process()
 
 
-if hasattr(os, "register_at_fork"):  # a forked child never waits on a lock a parent thread held
-    os.register_at_fork(after_in_child=lambda: setattr(process, "lock", threading.RLock()))
+def _renew_lock() -> None:
+    """A forked child never waits on a lock that one of its parent's other threads held."""
+    process.lock = threading.RLock()
 
 
-_OURS = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.abspath(boot.__file__))
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
+
+
+# --- warnings at the user's line ---------------------------------------------------------------------
+_OURS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(vocabulary.__file__)) + os.sep + "_bnb_gc_fix_",
+)
+
+
+def _is_ours(filename: str) -> bool:
+    path = filename if filename.startswith("<") else os.path.abspath(filename)
+    return path.startswith(_OURS)
+
+
+def _is_import_machinery(filename: str) -> bool:
+    return "importlib" in filename and "_bootstrap" in filename
 
 
 def _warn(message: str, category: type[Warning]) -> None:
-    """Warn at the user's line: the first frame outside this package and the start-up hook (importlib's
-    frames are skipped without counting, as ``warnings`` does)."""
-    level, frame = 1, sys._getframe(1)
+    """Warn at the user's line: the first frame outside this package and our top-level modules
+    (importlib's frames are skipped without counting, as ``warnings`` does)."""
+    level = 1
+    frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not ("importlib" in filename and "_bootstrap" in filename):
+        if not _is_import_machinery(filename):
             level += 1
-            path = filename if filename.startswith("<") else os.path.abspath(filename)
-            if not path.startswith(_OURS):
+            if not _is_ours(filename):
                 break
         frame = frame.f_back  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
@@ -127,6 +190,7 @@ def _skip(library: Library, reason: str) -> None:
         _warn(f"bnb-gc-fix is not active: {reason}.", PatchSkippedWarning)
 
 
+# --- patching one library ----------------------------------------------------------------------------
 def initializing(module: ModuleType) -> bool:
     """Whether ``module``'s code is still running (the import system's own flag, read only)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
@@ -140,51 +204,63 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
     verdict = library.judge(module, process.mode)
     if verdict.unexpected:
         _skip(library, verdict.decision)
-    elif not verdict.patch:
+        return
+    if not verdict.patch:
         library.set(State.NOT_NEEDED, verdict.decision)
-        (logger.info if process.mode == boot.ON else logger.debug)(
-            "nothing needed patching: %s", verdict.reason
+        asked_for_it = process.mode == vocabulary.ON  # the user switched it on: say why nothing happened
+        level = logging.INFO if asked_for_it else logging.DEBUG
+        logger.log(level, "nothing needed patching: %s", verdict.reason)
+        return
+    patch.apply(module, library.target, replace_always_called=vocabulary.forces(process.mode))
+    reason = verdict.decision
+    if late:
+        reason += (
+            f". {library.target.module} was already imported when the fix was activated: a model "
+            "quantized before then keeps the plain pair; bnb_gc_fix.repair(model) replaces it"
         )
-    else:
-        patch.apply(module, library.target, replace_always_called=boot.forces(process.mode))
-        reason = verdict.decision
-        if late:
-            reason += (
-                f". {library.target.module} was already imported when the fix was activated: a model "
-                "quantized before then keeps the plain pair; bnb_gc_fix.repair(model) replaces it"
-            )
-        library.set(State.PATCHED, reason)
-        logger.info("%s", reason)
+    library.set(State.PATCHED, reason)
+    logger.info("%s", reason)
+
+
+def _armed_reason(target: Target) -> str:
+    if target is BITSANDBYTES:
+        return (
+            f"armed: {target.module} is not imported yet (bitsandbytes imports it when a model is "
+            "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
+        )
+    return f"armed: {target.module} is not imported yet; the fix checks and patches it the moment it is"
 
 
 def _arm(library: Library) -> None:
     """Patch the library's module now if it is imported, else once its import (under way, or next) ends."""
     name = library.target.module
     module = sys.modules.get(name)
-    late = module is not None and not initializing(module)
-    if not late:
-        library.set(State.ARMED, ARMED_REASON if library.target is BITSANDBYTES else _armed(name))
-        if boot.when_imported(name, _on_imported):
-            if module is not None:
-                logger.debug("%s is being imported; deciding once its code has run", name)
-            return
-        module = sys.modules.get(name)
-        if module is None or initializing(module):  # being imported by a loader no watcher wraps
-            _skip(
-                library,
-                f"{name} was being imported when the fix was activated and that import cannot be "
-                "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
-            )
-            return
-    assert module is not None
-    _apply(library, module, late=late)
+    if module is not None and not initializing(module):
+        _apply(library, module, late=True)
+        return
+    library.set(State.ARMED, _armed_reason(library.target))
+    if imports.when_imported(name, _on_imported):
+        if module is not None:
+            logger.debug("%s is being imported; deciding once its code has run", name)
+        return
+    # when_imported declined: the module was imported meanwhile, or is being imported by a loader no
+    # watcher wraps.
+    module = sys.modules.get(name)
+    if module is None or initializing(module):
+        _skip(
+            library,
+            f"{name} was being imported when the fix was activated and that import cannot be "
+            "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
+        )
+        return
+    _apply(library, module)
 
 
 def _on_imported(name: str) -> None:
     """A target module's code has run to its end: decide and patch, as the last activation read the
     switch. Never raises."""
-    library = process.libraries[name]  # registered by _arm only, for a library's module
     try:
+        library = process.libraries[name]
         with process.lock:
             if library.state is not State.ARMED:  # deactivate() or an activate() switched off cancelled it
                 return
@@ -194,38 +270,58 @@ def _on_imported(name: str) -> None:
             else:
                 _apply(library, module)
     except Exception as error:
-        _skip(library, f"patching failed: {type(error).__name__}: {error}; nothing patched")
+        _skip(process.libraries[name], f"patching failed: {type(error).__name__}: {error}; nothing patched")
 
 
-def activate(*, via: str = "activate()") -> None:
+# --- activate and deactivate -------------------------------------------------------------------------
+def _read_switch() -> None:
+    """Read ``BNB_GC_FIX`` into ``process`` (it holds until the next activation); warn once about a
+    value that is not known."""
+    process.switch = os.environ.get(vocabulary.VARIABLE)
+    process.mode, recognised = vocabulary.parse(process.switch)
+    if recognised or process.warned_switch:
+        return
+    process.warned_switch = True
+    _warn(
+        f"{vocabulary.VARIABLE}={process.switch!r} is not a known value; accepted values are "
+        f"{vocabulary.ACCEPTED}. Behaving as 'auto'.",
+        SwitchValueWarning,
+    )
+
+
+def _switch_off() -> None:
+    """``BNB_GC_FIX`` switches the fix off: every library not patched already is off (an earlier patch
+    stays until ``deactivate()``)."""
+    off = f"{vocabulary.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
+    for library in process.libraries.values():
+        if not library.applied():
+            library.set(State.OFF, f"disabled by the environment: {off}")
+
+
+def _arm_every_library() -> None:
+    """Patch every library not patched now (or reloaded since), now or when it is imported; one
+    library's failure leaves the others armed."""
+    for library in process.libraries.values():
+        try:
+            if not library.applied():
+                _arm(library)
+        except Exception as error:
+            _skip(library, f"activation failed: {type(error).__name__}: {error}; nothing patched")
+
+
+def activate(*, via: str = vocabulary.VIA_ACTIVATE) -> None:
     """Turn the fix on as ``BNB_GC_FIX`` says (read now): patch each known library now if imported,
     else when it is imported. Idempotent; never raises (a problem becomes a warning and a reason)."""
     try:
         with process.lock:
-            process.switch = os.environ.get(boot.VARIABLE)  # read once: it holds until the next activate()
-            process.mode, recognised = boot.parse(process.switch)
-            if not recognised and not process.warned_switch:
-                process.warned_switch = True
-                _warn(
-                    f"{boot.VARIABLE}={process.switch!r} is not a known value; accepted values are "
-                    f"{boot.ACCEPTED}. Behaving as 'auto'.",
-                    SwitchValueWarning,
-                )
-            if process.mode == boot.OFF:
-                off = f"{boot.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
-                for library in process.libraries.values():
-                    if not library.applied():  # an earlier patch stays until deactivate()
-                        library.set(State.OFF, f"disabled by the environment: {off}")
+            _read_switch()
+            if process.mode == vocabulary.OFF:
+                _switch_off()
                 return
             if process.via is None or not on():
                 process.via = via
             notebook.install()
-            for library in process.libraries.values():
-                try:  # not patched, or reloaded since: patch it (again)
-                    if not library.applied():
-                        _arm(library)
-                except Exception as error:  # one library's failure leaves the others armed
-                    _skip(library, f"activation failed: {type(error).__name__}: {error}; nothing patched")
+            _arm_every_library()
     except Exception as error:
         _skip(process.libraries[BITSANDBYTES.module], f"activation failed: {type(error).__name__}: {error}")
 
@@ -244,17 +340,15 @@ def deactivate() -> None:
         notebook.remove()
 
 
+def credit(via: str) -> None:
+    """Say that ``via`` turned the fix on: a ``bnb-gc-fix`` command, whose own import of the package
+    did, while that import is all that turned it on so far."""
+    with process.lock:
+        if process.via == vocabulary.VIA_IMPORT:
+            process.via = via
+
+
 def on() -> bool:
     """Something is patched or armed (what ``status().via`` is reported for)."""
     armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
     return armed or any(library.applied() for library in process.libraries.values())
-
-
-def _armed(name: str) -> str:
-    return f"armed: {name} is not imported yet; the fix checks and patches it the moment it is"
-
-
-ARMED_REASON = (
-    f"armed: {decide.PARAMETRIZE} is not imported yet (bitsandbytes imports it when a model is "
-    "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
-)

@@ -8,11 +8,15 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from bnb_gc_fix import __version__
+import _bnb_gc_fix_vocabulary as vocabulary
+from bnb_gc_fix import __version__, activation
 from bnb_gc_fix.installed import distribution_version, import_installed
 from bnb_gc_fix.status import status as fix_status
+
+if TYPE_CHECKING:
+    from bnb_gc_fix import check
 
 
 def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one object, one line
@@ -21,7 +25,8 @@ def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one o
 
 def _cmd_status(args: argparse.Namespace) -> int:
     import_installed()  # so that the fix has something to decide on; every sentence comes from status()
-    current, transformers = fix_status(), distribution_version("transformers")
+    current = fix_status()
+    transformers = distribution_version("transformers")
     facts = {"bnb_gc_fix": __version__, "python": platform.python_version(), "transformers": transformers}
     if args.json:
         _print_json({**facts, **current.as_dict()})
@@ -33,14 +38,18 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_PROTECTED, EXIT_LEAK, EXIT_CANNOT_RUN, EXIT_USAGE = 0, 1, 2, 2
+EXIT_PROTECTED = 0  # check: the counter and the cache were back to zero after every step
+EXIT_LEAK = 1  # check: the leak was observed
+EXIT_CANNOT_RUN = 2  # check: cannot run here (the message says why)
+EXIT_USAGE = 2  # any command: the command line was wrong
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Every path ends with 0, 1 or 2 and, with --json, exactly one JSON object on stdout."""
     from bnb_gc_fix import check
 
-    result, error = None, None
+    result: check.CheckResult | None = None
+    error: str | None = None
     try:
         result = check.run(device=args.device, steps=args.steps)
     except check.CannotRunError as cannot:
@@ -48,7 +57,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except Exception as unexpected:  # a bug of ours must not read as "leak observed"
         error = f"the check itself failed ({type(unexpected).__name__}: {unexpected})"
     current = fix_status()
-    code = EXIT_CANNOT_RUN if result is None else EXIT_PROTECTED if result.protected else EXIT_LEAK
+    code = _check_exit_code(result)
     args.exit_code = code  # what main() returns even if stdout is closed while printing
     if args.json:
         payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
@@ -75,6 +84,14 @@ def _cmd_check(args: argparse.Namespace) -> int:
             f"stay resident. The fix is {current.state} here: {current.reason}."
         )
     return code
+
+
+def _check_exit_code(result: check.CheckResult | None) -> int:
+    if result is None:
+        return EXIT_CANNOT_RUN
+    if result.protected:
+        return EXIT_PROTECTED
+    return EXIT_LEAK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -124,8 +141,13 @@ def _positive(text: str) -> int:
     return value
 
 
-class _UsageError(Exception):  # args: the (sub)parser, the message
-    pass
+class _UsageError(Exception):
+    """A usage error that argparse found, carried to :func:`main`."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,7 +158,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
-    parser, message = error.args
+    parser = error.parser
+    message = error.message
     if "--json" in argv:
         payload: dict[str, Any] = {"error": f"{parser.prog}: {message}", "exit_code": EXIT_USAGE}
         if "check" in argv:
@@ -149,6 +172,7 @@ def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    activation.credit(vocabulary.VIA_COMMAND)  # this command's own import of the package turned it on
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = argparse.Namespace()
@@ -176,7 +200,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError):
             pass
         return int(getattr(args, "exit_code", 0))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

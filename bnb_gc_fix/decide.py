@@ -21,23 +21,30 @@ MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 PARAMETRIZE = BITSANDBYTES.module
 
 
-def torch_version() -> str | None:  # never imports torch
+def torch_version() -> str | None:
+    """``torch.__version__`` if torch is imported (never imports it)."""
     version = getattr(sys.modules.get("torch"), "__version__", None)
-    return None if version is None else str(version)
+    if version is None:
+        return None
+    return str(version)
 
 
 def _release(version: str | None) -> Version | None:
     """The release numbers of a version (0.50.0.dev0 counts as 0.50.0), None when unreadable."""
+    if version is None:
+        return None
     try:
-        return None if version is None else Version(Version(version).base_version)
+        return Version(Version(version).base_version)
     except InvalidVersion:
         return None
 
 
 def version_in_range(target: Target, version: str | None) -> bool | None:
     """Whether a version of ``target`` falls in its affected range (None: unknown)."""
-    release, span = _release(version), (Version(target.first_affected), Version(target.first_fixed))
-    return None if release is None else span[0] <= release < span[1]
+    release = _release(version)
+    if release is None:
+        return None
+    return Version(target.first_affected) <= release < Version(target.first_fixed)
 
 
 def torch_too_old(version: str | None) -> bool:
@@ -76,7 +83,9 @@ class Verdict:
         if self.patch:
             return f"{self.reason}; patched"
         outcome = "nothing patched" if self.unexpected else "nothing to patch"
-        return f"{self.reason}; {outcome}{'. ' + self.advice if self.advice else ''}"
+        if self.advice:
+            return f"{self.reason}; {outcome}. {self.advice}"
+        return f"{self.reason}; {outcome}"
 
 
 def _signature_problem(target: Target, module: ModuleType) -> str | None:
@@ -99,9 +108,14 @@ def _signature_problem(target: Target, module: ModuleType) -> str | None:
     return None
 
 
-def probe(module: ModuleType, target: Target = BITSANDBYTES) -> tuple[bool | None, str]:
-    """Call the target's registering function on a throwaway module: ``(affected, what it did)``, affected
-    None when unexpected (whatever goes wrong is described, never raised), False for upstream's fix."""
+def probe(module: ModuleType, target: Target) -> tuple[bool | None, str]:
+    """Call the target's registering function on a throwaway module: ``(affected, what it did)``.
+
+    ``affected`` is None when the result is unexpected (whatever goes wrong is described, never
+    raised) and False for upstream's fix.
+    """
+    from bnb_gc_fix.hooks import cache_hooks  # imports torch, which the target module has imported
+
     register = getattr(module, target.register)
     register = getattr(register, "__wrapped__", register)  # judge the library, not our wrapper
     try:
@@ -109,53 +123,72 @@ def probe(module: ModuleType, target: Target = BITSANDBYTES) -> tuple[bool | Non
         register(*args)
     except Exception as error:  # the probe must never break the user's import
         return None, f"registering hooks on a probe module raised {type(error).__name__}: {error}"
-    from bnb_gc_fix.gate import cache_hooks
-
-    throwaway = args[0]
-    enables, disables, always_called = cache_hooks(throwaway)
-    if len(enables) != 1 or len(disables) != 1:
+    found = cache_hooks(args[0])
+    if len(found.enables) != 1 or len(found.disables) != 1:
         return None, (
-            f"the probe module got {len(enables)} enable and {len(disables)} disable cache hooks "
-            "instead of one of each"
+            f"the probe module got {len(found.enables)} enable and {len(found.disables)} disable cache "
+            "hooks instead of one of each"
         )
-    if always_called:
+    if found.always_called:
         return False, "disable hook registered with always_call=True (upstream fix)"
     return True, "plain forward hook pair (skipped when a forward raises)"
 
 
-def judge(module: ModuleType, force: bool = False, target: Target = BITSANDBYTES) -> Verdict:
-    """Decide what to do with an imported target module (``bitsandbytes.nn.parametrize`` by default)."""
+def _range_text(target: Target, by_version: bool | None) -> str:
+    """Where the version lies against the target's affected range, as the end of a sentence."""
+    if by_version is None:
+        return "has an unreadable version"
+    where = "in" if by_version else "outside"
+    return f"is {where} the affected range {target.affected_range}"
+
+
+def _skipped(reason: str, affected: bool | None) -> Verdict:
+    """Nothing may be patched: the library does not look as expected (the user is warned)."""
+    return Verdict(patch=False, unexpected=True, affected=affected, probe="not run", reason=reason)
+
+
+def judge(module: ModuleType, force: bool, target: Target) -> Verdict:
+    """Decide what to do with an imported target module: check the torch and the functions it needs,
+    then probe the library's own code."""
     version = target.version()
     by_version = version_in_range(target, version)
     label = f"{target.name} {version}" if version else f"this {target.name}"
 
-    if torch_too_old(torch_version()):
-        too_old = f"torch {_release(torch_version())} cannot run forward hooks with always_call=True"
-        return Verdict(False, True, by_version, "not run", f"{too_old} (needs torch >= {MIN_TORCH})")
+    torch = torch_version()
+    if torch_too_old(torch):
+        too_old = f"torch {_release(torch)} cannot run forward hooks with always_call=True"
+        return _skipped(f"{too_old} (needs torch >= {MIN_TORCH})", affected=by_version)
     problem = _signature_problem(target, module)
     if problem is not None:
-        return Verdict(False, True, None, "not run", problem)
+        return _skipped(problem, affected=None)
+
     affected, seen = probe(module, target)
     if affected is None:
-        return Verdict(False, True, None, seen, f"{label} does not look as expected: {seen}")
-
-    span = f"{target.first_affected} <= v < {target.first_fixed}"
-    range_text = {
-        True: f"is in the affected range {span}",
-        False: f"is outside the affected range {span}",
-        None: "has an unreadable version",
-    }[by_version]
+        return Verdict(
+            patch=False,
+            unexpected=True,
+            affected=None,
+            probe=seen,
+            reason=f"{label} does not look as expected: {seen}",
+        )
     if force and not affected:
         return Verdict(
-            True, False, False, seen, f"{label} has the upstream fix ({seen}), but BNB_GC_FIX=force"
+            patch=True,
+            unexpected=False,
+            affected=False,
+            probe=seen,
+            reason=f"{label} has the upstream fix ({seen}), but BNB_GC_FIX=force",
         )
     found = f"the probe found {'a' if affected else 'its'} {seen}"
-    if by_version is (not affected):  # the version says the opposite
-        reason = f"{label} {range_text}, but {found}, and the probe wins"
+    version_disagrees = by_version is not None and by_version != affected
+    if version_disagrees:
+        reason = f"{label} {_range_text(target, by_version)}, but {found}, and the probe wins"
     else:
-        reason = f"{label} {range_text} and {found}"
+        reason = f"{label} {_range_text(target, by_version)} and {found}"
     advice = NOT_NEEDED if target is BITSANDBYTES and not affected else ""
-    return Verdict(affected, False, affected, seen, reason, advice)
+    return Verdict(
+        patch=affected, unexpected=False, affected=affected, probe=seen, reason=reason, advice=advice
+    )
 
 
 NOT_NEEDED = (

@@ -1,20 +1,32 @@
-"""The cache gate: one pair of hooks per module in the place of bitsandbytes' plain pairs.
+"""The gate: one pair of hooks per module, in the place of bitsandbytes' plain pairs.
 
 bitsandbytes 0.48-0.49 switch torch's parametrization cache on and off around every forward of a
-quantized module with a plain pair of hooks per parameter; a forward left by an exception skips the
-"off", so the cache is never emptied again. A gate counts, per thread, the holds its pre-hook took and
-its always-called forward hook has not given back (:class:`_Holds`), and moves torch's counter by as
-much. A hold a ``BaseException`` left is found at the module's next forward on that thread (:func:`_walk`);
-holds are given back when their module is collected, their thread ends, or a forked child drops it. The
-counter's update has no call in it (the GIL never interrupts it, 3.10+) and a lock on free-threaded builds.
+quantized module with a plain pair of hooks per parameter. A forward left by an exception skips the
+"off", so the cache is never emptied again. A gate's pre-hook (:class:`EnterHook`) takes one *hold* on
+torch's counter and notes the call that took it; its always-called forward hook (:class:`LeaveHook`)
+gives one back. torch runs always-called hooks after an ``Exception``, but not after a
+``BaseException`` such as ``KeyboardInterrupt``: a hold such a forward left behind is found and given
+back (:func:`_heal`) at the module's next forward on that thread, when its module is collected, when
+its thread ends, or when a forked child drops its parent's other threads.
+
+How a hold is known to be live: each hold remembers the frame that called the pre-hook (torch's
+``Module._call_impl``, or the function in it that runs the hooks). A hold is live while that frame is on
+the thread's stack. Holds nest (an inner self-call's after the outer one's), so the innermost live hold
+vouches for every one before it, and a self-call checks one frame a few levels up: the cost does not
+depend on how deep the calls nest, nor on how ``Module.__call__`` is wrapped. Where torch.compile traces
+the pre-hook there is no frame to take (reading one would break the graph): such a hold is counted
+against the compiled ``_call_impl`` frames of its module instead, outside the trace.
+
+The counter's update has no call in it, so the GIL never switches threads in the middle of it (3.10+);
+free-threaded builds take a lock instead (:class:`LockedEnterHook`, :class:`LockedLeaveHook`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import importlib
+import copy
 import os
+import pkgutil
 import sys
 import threading
 import weakref
@@ -27,23 +39,29 @@ import torch.nn.utils.parametrize as P
 
 import _bnb_gc_fix_cache as cache
 
-ENABLE_NAME, DISABLE_NAME = "_enable_parametrization_cache", "_disable_parametrization_cache"
-ORIGIN = "bitsandbytes.nn.parametrize"
-
-_CALL_IMPL = torch.nn.Module._call_impl.__code__
-# torch.compile runs `_call_impl` as Dynamo's copy of its code (same name and file) or a resume function.
-_RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
-_GIL = cache.gil_enabled()
-_LOCK = threading.RLock()  # taken by the gate of a free-threaded build
 _frame = sys._getframe
 _F = TypeVar("_F", bound=Callable[..., Any])
-# True where Dynamo traces the caller (it folds the call to a constant), False elsewhere.
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", None) or (
-    lambda: bool(torch._dynamo.is_compiling())  # torch < 2.3
-)
+_GIL = cache.gil_enabled()
+_LOCK = threading.RLock()  # taken by the hooks of a free-threaded build
+
+#: How the frames torch.compile runs ``Module._call_impl`` as are recognised: Dynamo's copy of its code
+#: (the same name and file, another code object) or one of its resume functions. The file is read from a
+#: method nobody wraps; the eager code object is the one a hold's frame already accounts for.
+_MODULE_FILE = torch.nn.Module.register_forward_hook.__code__.co_filename
+_CALL_IMPL_NAME = "_call_impl"
+_RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
+_EAGER_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
-def _eager_only(function: _F) -> _F:
+def _legacy_compiling() -> bool:  # torch < 2.3
+    return bool(torch._dynamo.is_compiling())
+
+
+#: True where Dynamo traces the caller (it folds the call to a constant), False elsewhere.
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", None) or _legacy_compiling
+
+
+def eager_only(function: _F) -> _F:
     """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break."""
     try:
         return cast(_F, torch.compiler.disable(function))  # type: ignore[no-untyped-call]
@@ -51,35 +69,44 @@ def _eager_only(function: _F) -> _F:
         return function
 
 
-class _Holds:
-    """One thread's holds on one gate, given back when it dies (thread ended, module collected)."""
+# --- holds -------------------------------------------------------------------------------------------
+class Holds:
+    """One thread's holds on one gate: for each, the frame of the call that took it (None where
+    torch.compile traced the pre-hook), outermost first. Given back when it dies: its thread ended, or
+    its module was collected."""
 
-    __slots__ = ("__weakref__", "anchor", "anchor_depth", "anchor_n", "gate", "n", "thread")
+    __slots__ = ("__weakref__", "calls", "gate", "thread")
 
     def __init__(self, gate: weakref.ref[Gate]) -> None:
-        self.n = 0
+        self.calls: list[FrameType | None] = []
         self.gate = gate
         self.thread = threading.get_ident()
-        # The innermost live call holding the first `anchor_n` holds, and its depth below the pre-hook
-        # at the last walk: while it is on the stack, so are they (see _walk).
-        self.anchor: FrameType | None = None
-        self.anchor_n = 0
-        self.anchor_depth = 0
+
+    def forget(self, count: int) -> int:
+        """Forget the innermost ``count`` holds (all of them, at most) without giving them back to
+        torch's counter; returns how many were forgotten."""
+        count = max(min(count, len(self.calls)), 0)
+        del self.calls[len(self.calls) - count :]
+        return count
+
+    def give_back(self, count: int) -> None:
+        """Give back the innermost ``count`` holds (all of them, at most)."""
+        forgotten = self.forget(count)
+        if forgotten:
+            cache.give_back(forgotten)
 
     def __del__(self) -> None:
         try:
-            held, self.n = self.n, 0
-            if held:
-                cache.give_back(held)
+            self.give_back(len(self.calls))
         except Exception:  # at interpreter shutdown
             pass
 
 
-_HOLDS: weakref.WeakSet[_Holds] = weakref.WeakSet()  # every thread's holds on every gate
+_HOLDS: weakref.WeakSet[Holds] = weakref.WeakSet()  # every thread's holds on every gate
 
 
-def _every_holds() -> list[_Holds]:
-    """A snapshot of :data:`_HOLDS`, which another thread's first forward of a gate may add to."""
+def every_holds() -> list[Holds]:
+    """A snapshot of every thread's holds on every gate (another thread's first forward may add one)."""
     while True:
         with contextlib.suppress(RuntimeError):  # "Set changed size during iteration": take it again
             return list(_HOLDS)
@@ -87,73 +114,17 @@ def _every_holds() -> list[_Holds]:
 
 class _PerThread(threading.local):
     def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
-        self.holds = _Holds(gate)
+        self.holds = Holds(gate)
         _HOLDS.add(self.holds)
 
 
-class Gate:
-    """The parametrization-cache gate of one module. Its two bound methods are the hooks."""
-
-    __slots__ = ("__weakref__", "origin", "threads")
-
-    def __init__(self, origin: str = ORIGIN) -> None:
-        self.origin = origin  # the module whose plain pair this gate replaced: what its hooks pickle as
-        self.threads = _PerThread(weakref.ref(self))
-
-    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
-        # A pickled hook `gate.<name>` loads as `getattr(origin module, <name>)`: the plain function.
-        return (importlib.import_module, (self.origin,))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
-        return type(self)(self.origin)  # a copied module gets a fresh gate: holds belong to live calls
-
-    def _enable_parametrization_cache(self, module: torch.nn.Module, args: Any) -> None:
-        """Forward pre-hook: take one hold on this thread and switch the cache on."""
-        holds = self.threads.holds
-        held = holds.n
-        if held:  # a self-call, or a hold left by a BaseException: heal (see _walk)
-            if _compiling():
-                _walk(module, holds, None)  # outside the trace: a graph break
-            else:
-                try:  # the same holds, and their innermost call still on the stack: all live
-                    live = holds.anchor_n == held and _frame(holds.anchor_depth) is holds.anchor
-                except ValueError:  # the stack is not that deep any more
-                    live = False
-                if not live:
-                    _walk(module, holds, _frame())
-            held = holds.n
-        holds.n = held + 1
-        P._cache_enabled += 1
-
-    def _disable_parametrization_cache(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        """Always-called forward hook: give back one hold, if the pre-hook took one on this thread."""
-        holds = self.threads.holds
-        held = holds.n
-        # cache.give_back(1) inlined: a call costs time and lets a thread switch or a Ctrl-C in between.
-        if held:
-            holds.n = held - 1
-            if held <= holds.anchor_n:  # the anchored call has ended: let its frame go
-                holds.anchor, holds.anchor_n = None, 0
-            remaining = P._cache_enabled - 1
-            if remaining > 0:
-                P._cache_enabled = remaining
-            else:
-                P._cache_enabled = 0
-                P._cache = {}
+def forget_holds() -> None:
+    """Every gate forgets its holds on every thread, giving nothing back (the counter was reset)."""
+    for holds in every_holds():
+        holds.calls.clear()
 
 
-class _LockedGate(Gate):
-    """The gate for free-threaded Python builds, where the counter's update needs a lock."""
-
-    __slots__ = ()
-
-    def _enable_parametrization_cache(self, module: torch.nn.Module, args: Any) -> None:
-        with _LOCK:
-            super()._enable_parametrization_cache(module, args)
-
-    def _disable_parametrization_cache(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        with _LOCK:
-            super()._disable_parametrization_cache(module, args, output)
+cache.on_reset(forget_holds)
 
 
 def _after_fork_in_child() -> None:
@@ -162,195 +133,206 @@ def _after_fork_in_child() -> None:
     _LOCK = threading.RLock()  # never wait on a lock one of the parent's threads held
     with contextlib.suppress(Exception):  # never disturb a fork
         me = threading.get_ident()
-        for holds in _every_holds():
+        for holds in every_holds():
             if holds.thread != me:
-                held, holds.n = holds.n, 0
-                holds.anchor, holds.anchor_n = None, 0
-                if held:
-                    cache.give_back(held)
+                holds.give_back(len(holds.calls))
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
-_GATE: type[Gate] = Gate if _GIL else _LockedGate
 
-
-def _calls_on_this_thread(frame: FrameType | None) -> Iterator[tuple[int, FrameType]]:
-    """Every ``Module._call_impl`` frame (eager or compiled) from ``frame`` down, with its depth below it."""
-    depth = 0
+# --- which holds are live ----------------------------------------------------------------------------
+def stack_from(start: FrameType | None) -> Iterator[FrameType]:
+    """``start`` and every frame below it on this thread."""
+    frame = start
     while frame is not None:
-        code = frame.f_code
-        if code is _CALL_IMPL or (
-            code.co_filename == _CALL_IMPL.co_filename
-            and (code.co_name == _CALL_IMPL.co_name or code.co_name.startswith(_RESUME_PREFIX))
-        ):
-            yield depth, frame
+        yield frame
         frame = frame.f_back
-        depth += 1
 
 
-@_eager_only
-def _walk(module: torch.nn.Module, holds: _Holds, start: FrameType | None) -> None:
-    """Give back this thread's holds on ``module`` that no live call of it on this thread owns: called
-    by the pre-hook (frame ``start``) on a self-call (live) or after a BaseException (stale). The stack
-    is read down only until every hold is accounted for, and the innermost holding call kept with its
-    depth (the anchor), so a module that calls itself again and again is walked once, not per call."""
-    held = holds.n
-    holds.anchor, holds.anchor_n = None, 0
-    if start is None:  # called where torch.compile traces the pre-hook: depths count from its caller
-        start = _frame(1)
-    live = -1  # the innermost call found is the one being entered, which holds nothing yet
-    for depth, frame in _calls_on_this_thread(start):
-        if frame.f_locals.get("self") is module:
-            live += 1
-            if live == 1:
-                holds.anchor, holds.anchor_depth = frame, depth
-            if live >= held:
-                holds.anchor_n = held
-                return
-    holds.n = holds.anchor_n = live = max(live, 0)  # the anchor, if found, is the innermost of these
-    cache.give_back(held - live)
-
-
-def _is_gate_hook(hook: object) -> bool:
-    return isinstance(getattr(hook, "__self__", None), Gate)
-
-
-def gate_of(module: torch.nn.Module) -> Gate | None:
-    owners = (getattr(hook, "__self__", None) for hook in module._forward_pre_hooks.values())
-    return next((owner for owner in owners if isinstance(owner, Gate)), None)
-
-
-def _named(hook: object, name: str) -> bool:
-    # bitsandbytes' functions, wrapt wrappers of them, and look-alikes (axolotl's moe_quant).
-    return getattr(hook, "__name__", None) == name and not _is_gate_hook(hook)
-
-
-def cache_hooks(module: torch.nn.Module) -> tuple[list[int], list[int], bool]:
-    """The keys of the module's enable pre-hooks and disable forward hooks that are not ours (matched
-    by function name, in order), and whether there are disable hooks and all are always-called."""
-    enables = [key for key, hook in module._forward_pre_hooks.items() if _named(hook, ENABLE_NAME)]
-    disables = [key for key, hook in module._forward_hooks.items() if _named(hook, DISABLE_NAME)]
-    always_called = bool(disables) and all(key in module._forward_hooks_always_called for key in disables)
-    return enables, disables, always_called
-
-
-class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
-    """``_forward_hooks_always_called``, pickled without the gate's entry where the old pair was plain."""
-
-    __slots__ = ("plain",)
-
-    def __init__(self, items: Any = (), plain: frozenset[int] = frozenset()) -> None:
-        super().__init__(items)
-        self.plain = plain
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (collections.OrderedDict, ([(k, v) for k, v in self.items() if k not in self.plain],))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
-        return _AlwaysCalled(self.items(), self.plain)
-
-
-def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
-    """Put ``hook`` where the first (or last) of ``keys`` is in ``hooks`` and drop the others."""
-    order = [key for key in hooks if key in keys]
-    keep = order[0] if first else order[-1]
-    for key in order:
-        if key != keep:
-            del hooks[key]
-    hooks[keep] = hook  # assigning to an existing key keeps its place
-    return keep
-
-
-def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
-    """Replace every plain cache pair (bitsandbytes' or a copy's) on ``module`` with its one gate, in the
-    pair's places; returns whether the module changed. A module without an enable hook is left alone, and
-    so is one whose pairs are right (disables always-called: bitsandbytes 0.50) unless
-    ``replace_always_called``."""
-    enables, disables, always_called = cache_hooks(module)
-    if not enables or (always_called and len(disables) == len(enables) and not replace_always_called):
+def _running(owner: FrameType | None, start: FrameType) -> bool:
+    """Whether ``owner`` is on the stack below ``start``: its call has not ended. For a self-call the
+    owner is a few frames down, so the loop is short; it reads the whole stack only for a hold that a
+    ``BaseException`` left, once, before that hold is given back. False for a hold taken in a compiled
+    trace (no owner frame): :func:`_heal` then counts the compiled calls instead."""
+    if owner is None:
         return False
-    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
-    gate = gate_of(module) or _GATE(getattr(pre_hooks[enables[0]], "__module__", None) or ORIGIN)
-    enter, leave = gate._enable_parametrization_cache, gate._disable_parametrization_cache
-    ours = [key for key, hook in pre_hooks.items() if _is_gate_hook(hook)]
-    kept = _take_place(pre_hooks, ours + enables, enter, first=True)
-    for key in enables + ours:
-        module._forward_pre_hooks_with_kwargs.pop(key, None)
-    always = module._forward_hooks_always_called
-    if not isinstance(always, _AlwaysCalled):
-        always = module._forward_hooks_always_called = _AlwaysCalled(always.items())
-    plain = {key for key in disables if key not in always} | always.plain
-    ours = [key for key, hook in post_hooks.items() if _is_gate_hook(hook)]
-    if disables or ours:
-        kept = _take_place(post_hooks, ours + disables, leave, first=False)
-    else:  # an enable hook alone: the gate still needs its forward hook
-        kept = module.register_forward_hook(leave).id
-    for key in disables + ours:
-        module._forward_hooks_with_kwargs.pop(key, None)
-        always.pop(key, None)
-    always[kept] = True
-    always.plain = frozenset(plain & {kept})
-    return True
+    frame: FrameType | None = start
+    while frame is not None:
+        if frame is owner:
+            return True
+        frame = frame.f_back
+    return False
 
 
-def convert_at_forward(module: Any, replace_always_called: bool = False) -> bool:
-    """For the wrapped enable function, called as a pre-hook: turn a plain pair (a module quantized
-    elsewhere, or unpickled) into a gate. Returns True when the gate takes this forward's hold, False
-    when the wrapped function should run as it is."""
-    if not isinstance(module, torch.nn.Module):
+def _runs_compiled_call_impl(frame: FrameType) -> bool:
+    """Whether ``frame`` runs ``Module._call_impl`` as torch.compile made it (never the eager code,
+    whose calls the holds' frames already account for)."""
+    code = frame.f_code
+    if code.co_filename != _MODULE_FILE or code is _EAGER_CALL_IMPL:
         return False
-    # Already gated: a call from the snapshot of pre-hooks torch took before a conversion, or from a
-    # plain pair registered beside the gate; the gate's own pre-hook takes the hold.
-    gated = gate_of(module) is not None
-    if not install(module, replace_always_called) or gated:
-        return gated
-    cast(Gate, gate_of(module))._enable_parametrization_cache(module, ())
-    return True
+    return code.co_name == _CALL_IMPL_NAME or code.co_name.startswith(_RESUME_PREFIX)
 
 
-def clamped_disable(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """A wrapt wrapper of a disable function: never below zero, cache emptied at zero."""
-    if P._cache_enabled > 0:
-        return wrapped(*args, **kwargs)
-    cache.give_back(0)
-    return None
+def _compiled_calls(stack: list[FrameType], gate: Gate) -> int:
+    """How many compiled calls of ``gate``'s module run on ``stack``."""
+    count = 0
+    for frame in stack:
+        if _runs_compiled_call_impl(frame) and Gate.of(frame.f_locals.get("self")) is gate:
+            count += 1
+    return count
 
 
-@_eager_only
-def release_left_behind(added: int) -> int:
-    """Give back at most ``added`` holds (the rise during a safety net's step or cell) that nothing live
-    owns; returns how many. First this thread's gate holds with no call of their module on its stack,
-    then holds no gate accounts for (a plain pair that lost its "off"); never other threads' gate holds."""
-    counter = cache.counter()
-    budget = min(added, counter)
-    if budget <= 0:
-        return 0
-    modules = (frame.f_locals.get("self") for _, frame in _calls_on_this_thread(_frame()))
-    live = collections.Counter(gate_of(m) for m in modules if isinstance(m, torch.nn.Module))
-    me, released = threading.get_ident(), 0
-    everyone = _every_holds()
-    for holds in everyone:
-        gate = holds.gate()
-        stale = holds.n - (live[gate] if gate is not None else 0)
-        if holds.thread == me and stale > 0 and released < budget:
-            take = min(stale, budget - released)
-            holds.n -= take
-            holds.anchor, holds.anchor_n = None, 0
-            released += take
-    unaccounted = counter - released - sum(holds.n for holds in everyone)
-    if unaccounted > 0:
-        released += min(unaccounted, budget - released)
-    if released:
-        cache.give_back(released)
-    return released
+def live_holds(holds: Holds, stack: list[FrameType], entering_compiled: bool = False) -> int:
+    """How many of ``holds`` (outermost first) belong to calls still running on ``stack``.
+
+    A hold with a frame is live while its frame is on the stack; a hold taken in a compiled trace is
+    live while a compiled call of its module is (``entering_compiled``: the innermost of those is the
+    call being entered, which holds nothing yet). Holds nest, so the first one found ended ends the
+    count: every hold after it was taken inside its call.
+    """
+    gate = holds.gate()
+    on_stack = {id(frame) for frame in stack}
+    unclaimed: int | None = None  # compiled calls not yet matched to a hold, counted when first needed
+    live = 0
+    for owner in holds.calls:
+        if owner is None:
+            if unclaimed is None:
+                unclaimed = 0 if gate is None else _compiled_calls(stack, gate) - int(entering_compiled)
+            if unclaimed <= 0:
+                break
+            unclaimed -= 1
+        elif id(owner) not in on_stack:
+            break
+        live += 1
+    return live
 
 
-def forget_holds() -> None:
-    """Every gate forgets its holds, on every thread (for :func:`_bnb_gc_fix_cache.reset`)."""
-    for holds in _every_holds():
-        holds.n = 0
-        holds.anchor, holds.anchor_n = None, 0
+@eager_only
+def _heal(holds: Holds, entering: FrameType | None) -> None:
+    """Give back this thread's holds on a gate whose calls have ended (left by a ``BaseException``).
+
+    Called by the pre-hook when the innermost hold's call is no longer running, with the frame of the
+    call being entered; or, where torch.compile traced the pre-hook, with None, in a graph break: the
+    stack then starts at this function's caller.
+    """
+    start = _frame(1) if entering is None else entering
+    stack = list(stack_from(start))
+    live = live_holds(holds, stack, entering_compiled=entering is None)
+    holds.give_back(len(holds.calls) - live)
+
+
+# --- the gate and its two hooks ----------------------------------------------------------------------
+class Gate:
+    """What one module's two hooks share: every thread's holds on this module."""
+
+    __slots__ = ("__weakref__", "threads")
+
+    def __init__(self) -> None:
+        self.threads = _PerThread(weakref.ref(self))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
+        return type(self)()  # a copied module gets a fresh gate: holds belong to live calls
+
+    @staticmethod
+    def of(module: object) -> Gate | None:
+        """The gate on ``module``, if it has one."""
+        hooks = getattr(module, "_forward_pre_hooks", None)
+        if not isinstance(module, torch.nn.Module) or hooks is None:
+            return None
+        for hook in hooks.values():
+            if isinstance(hook, EnterHook):
+                return hook.gate
+        return None
+
+
+class _Hook:
+    """One of a gate's two hooks. It pickles (with pickle, cloudpickle or dill) as the function it
+    replaced, by name, so a pickled module loads wherever the original did, with the package or
+    without it, and holds a plain pair there (which the patch turns into a gate at its first forward)."""
+
+    __slots__ = ("gate", "replaced", "threads")
+
+    def __init__(self, gate: Gate, replaced: str) -> None:
+        self.gate = gate
+        self.threads = gate.threads  # one attribute fewer on the hot path
+        self.replaced = replaced  # "module:qualified name" of the function this hook replaced
+
+    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
+        return (pkgutil.resolve_name, (self.replaced,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return type(self)(copy.deepcopy(self.gate, memo), self.replaced)
+
+    def __repr__(self) -> str:
+        return f"<bnb_gc_fix {type(self).__name__} in the place of {self.replaced}>"
+
+
+class EnterHook(_Hook):
+    """The gate's forward pre-hook: take one hold on this thread and switch the cache on."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any, caller: FrameType | None = None) -> None:
+        holds = self.threads.holds
+        calls = holds.calls
+        if _compiling():
+            owner = None
+            if calls:  # a self-call, or a hold left by a BaseException
+                _heal(holds, None)
+        else:
+            owner = _frame(1) if caller is None else caller
+            if calls and not _running(calls[-1], owner):  # the innermost hold's call has ended
+                _heal(holds, owner)
+        calls.append(owner)
+        P._cache_enabled += 1
+
+
+class LeaveHook(_Hook):
+    """The gate's always-called forward hook: give back one hold, if this thread has one here."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        calls = self.threads.holds.calls
+        if not calls:
+            return
+        calls.pop()
+        # cache.give_back(1) written out: a call costs time and lets a thread switch in between.
+        remaining = P._cache_enabled - 1
+        if remaining > 0:
+            P._cache_enabled = remaining
+        else:
+            P._cache_enabled = 0
+            P._cache = {}
+
+
+class LockedEnterHook(EnterHook):
+    """The pre-hook of a free-threaded build, where the counter's update needs a lock."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any, caller: FrameType | None = None) -> None:
+        if caller is None and not _compiling():
+            caller = _frame(1)
+        with _LOCK:
+            super().__call__(module, args, caller)
+
+
+class LockedLeaveHook(LeaveHook):
+    """The forward hook of a free-threaded build."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        with _LOCK:
+            super().__call__(module, args, output)
+
+
+def new_hooks(enable_replaced: str, disable_replaced: str) -> tuple[EnterHook, LeaveHook]:
+    """A fresh gate's two hooks, standing in for the functions named (``"module:name"``)."""
+    gate = Gate()
+    if _GIL:
+        return EnterHook(gate, enable_replaced), LeaveHook(gate, disable_replaced)
+    return LockedEnterHook(gate, enable_replaced), LockedLeaveHook(gate, disable_replaced)

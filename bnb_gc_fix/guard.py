@@ -24,10 +24,10 @@ def check_and_release(strict: bool = False, start: int = 0) -> int:
     end = cache.counter()
     if end <= max(start, 0):  # nothing added, or nothing held (torch's parametrize not imported: 0)
         return 0
-    from bnb_gc_fix import gate
+    from bnb_gc_fix.release import release_left_behind  # imports torch, which holds something now
 
     cached = cache.cached_bytes()
-    released = gate.release_left_behind(end - start)
+    released = release_left_behind(end - start)
     if not released:
         return 0
     message = (

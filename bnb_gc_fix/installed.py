@@ -6,6 +6,7 @@ library at import) is named as broken, never as missing. Every import here catch
 from __future__ import annotations
 
 import importlib
+import sys
 from importlib import metadata
 from types import ModuleType
 
@@ -16,6 +17,25 @@ def distribution_version(name: str) -> str | None:
         return metadata.version(name)
     except Exception:  # not installed, or metadata that cannot be read
         return None
+
+
+def findable(name: str) -> bool:
+    """Whether an import of the top-level module ``name`` would find something on ``sys.path``. Reads
+    ``sys.path`` (and its finders' caches) only: nothing is imported, no library code runs."""
+    from importlib.machinery import PathFinder
+
+    try:
+        return PathFinder.find_spec(name) is not None
+    except Exception:  # an odd sys.path entry: say it may be there
+        return True
+
+
+def absent(name: str) -> bool:
+    """Whether the top-level module ``name`` is not installed: not imported, and either the last
+    :func:`try_import` of it found it missing or an import would find nothing on ``sys.path``."""
+    if name in sys.modules:
+        return False
+    return missing(name) or not findable(name)
 
 
 def _not_installed(name: str, error: BaseException) -> bool:  # whatever stale metadata may say

@@ -16,7 +16,8 @@ import _bnb_gc_fix_cache as cache
 
 logger = logging.getLogger("bnb_gc_fix")
 
-BEFORE, EVENT = "pre_run_cell", "post_run_cell"
+BEFORE = "pre_run_cell"  # IPython's event before each cell
+AFTER = "post_run_cell"  # and after it, with its result
 
 
 class _Registration:
@@ -28,17 +29,25 @@ class _Registration:
 _registration = _Registration()
 
 
+def _running_shell() -> Any:
+    """The running IPython shell; None outside IPython, or where IPython is imported without a shell.
+    Never imports IPython."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    if get_ipython is None:
+        return None
+    return get_ipython()
+
+
 def install() -> bool:
     """Register the callbacks with the running IPython shell, once. Returns whether they are registered."""
-    try:  # the running IPython shell (None outside IPython, or IPython imported without a shell)
-        get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
-        shell: Any = get_ipython() if get_ipython is not None else None
+    try:
+        shell = _running_shell()
         if getattr(shell, "events", None) is None:
             return installed()
         if _registration.shell is not shell:
             remove()
             shell.events.register(BEFORE, _before_cell)
-            shell.events.register(EVENT, _after_cell)
+            shell.events.register(AFTER, _after_cell)
             _registration.shell = shell
         return True
     except Exception as error:  # a shell we do not understand: the fix goes on without the release
@@ -47,16 +56,18 @@ def install() -> bool:
 
 
 def remove() -> None:
-    shell, _registration.shell = _registration.shell, None
-    for event, callback in ((BEFORE, _before_cell), (EVENT, _after_cell)):
+    """Unregister both callbacks from the shell they were registered with, if any."""
+    shell = _registration.shell
+    _registration.shell = None
+    for event, callback in ((BEFORE, _before_cell), (AFTER, _after_cell)):
         with contextlib.suppress(Exception):  # no shell, or already gone (the user cleared the events)
             shell.events.unregister(event, callback)
 
 
 def installed() -> bool:
-    """Whether the callback is registered with a shell right now."""
+    """Whether the cell-end callback is registered with a shell right now."""
     try:
-        return _after_cell in _registration.shell.events.callbacks[EVENT]
+        return _after_cell in _registration.shell.events.callbacks[AFTER]
     except Exception:  # no shell
         return False
 
@@ -87,38 +98,54 @@ def _note(count: int) -> None:
         )
 
 
+def _reset_below_zero(count: int) -> None:
+    """A ``P.cached()`` exited after we (or ``reset()``) released its hold: torch would never empty the
+    cache at a counter below 0, so put it back to 0 and say so."""
+    cache.reset()
+    _say(
+        f"torch's parametrization cache counter was {count} (a hold given back twice, "
+        "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
+        logging.WARNING,
+    )
+
+
+def _release_after_failed_cell(count: int, error: BaseException) -> None:
+    """Give back what the failed cell added and no running call owns; point out anything older."""
+    from bnb_gc_fix.release import release_left_behind  # imports torch, which holds something now
+
+    cached = cache.cached_bytes()
+    released = release_left_behind(count - max(_registration.start, 0))
+    if not released:  # older than this cell, or owned by a running call: not ours to give back
+        _note(count)
+        return
+    _registration.noted = None
+    _say(
+        f"released {released} of torch's parametrization cache holds (counter {count} -> "
+        f"{cache.counter()}, {cached} bytes cached), left switched on by this cell's "
+        f"{type(error).__name__}: {cache.CAUSE}.",
+        logging.WARNING,
+    )
+
+
+def _check_after_cell(result: Any) -> None:
+    """What a cell left: a counter below 0 is reset, a hold a failed cell left behind is released,
+    and a cache still on after a cell that succeeded is pointed out."""
+    count = cache.counter()  # 0 while torch's parametrize is not imported: nothing can be held
+    if count < 0:
+        _reset_below_zero(count)
+    if count <= 0:
+        _registration.noted = None
+        return
+    error = getattr(result, "error_in_exec", None)
+    if error is None:  # succeeded, or never ran (a syntax error): the cell did not skip a hook
+        _note(count)
+        return
+    _release_after_failed_cell(count, error)
+
+
 def _after_cell(result: Any = None) -> None:
     """``post_run_cell`` callback; never raises into the shell."""
     try:
-        count = cache.counter()  # 0 while torch's parametrize is not imported: nothing can be held
-        if count < 0:
-            # A `P.cached()` exited after we (or reset()) released it: torch would never empty the cache.
-            cache.reset()
-            _say(
-                f"torch's parametrization cache counter was {count} (a hold given back twice, "
-                "such as a P.cached() exited after it was released); put it back to 0 and emptied the cache.",
-                logging.WARNING,
-            )
-        if count <= 0:
-            _registration.noted = None
-            return
-        error = getattr(result, "error_in_exec", None)
-        if error is None:  # succeeded, or never ran (a syntax error): the cell did not skip a hook
-            _note(count)
-            return
-        from bnb_gc_fix import gate
-
-        cached = cache.cached_bytes()
-        released = gate.release_left_behind(count - max(_registration.start, 0))
-        if not released:  # older than this cell, or owned by a running call: not ours to give back
-            _note(count)
-            return
-        _registration.noted = None
-        _say(
-            f"released {released} of torch's parametrization cache holds (counter {count} -> "
-            f"{cache.counter()}, {cached} bytes cached), left switched on by this cell's "
-            f"{type(error).__name__}: {cache.CAUSE}.",
-            logging.WARNING,
-        )
+        _check_after_cell(result)
     except Exception as failure:
         logger.debug("cell-end release failed: %s: %s", type(failure).__name__, failure)

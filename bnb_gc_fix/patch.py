@@ -1,19 +1,26 @@
-"""The patch: wrapt wrappers around a target library's functions (:mod:`bnb_gc_fix.targets`). The
-registering function runs in full, then the plain pair it added is swapped for the gate; the enable
-function, met as the pre-hook of a module still holding a plain pair (loaded from a pickle), turns it
-into the gate at its first forward; a clamped disable function never drives the counter below zero.
+"""The patch: wrapt wrappers around a target library's functions (:mod:`bnb_gc_fix.targets`).
+
+* The registering function runs in full; then the plain pair it added is swapped for the gate.
+* The enable function, met as the pre-hook of a module still holding a plain pair (a module loaded
+  from a pickle, or quantized before the fix was active), turns that pair into the gate at its first
+  forward, and the gate takes that forward's hold.
+* A clamped disable function, called directly, never drives the counter below zero.
 """
 
 from __future__ import annotations
 
 import logging
-from types import ModuleType
+import os
+import sys
+from types import FrameType, ModuleType
 from typing import TYPE_CHECKING, Any
 
+import torch
 import wrapt
 
-from bnb_gc_fix import gate
-from bnb_gc_fix.targets import BITSANDBYTES, Target
+import _bnb_gc_fix_cache as cache
+from bnb_gc_fix import gate, hooks
+from bnb_gc_fix.targets import Target
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -22,55 +29,114 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("bnb_gc_fix")
 
+#: Frames in these folders are ours or wrapt's: the enable hook's real caller is the first frame below.
+_OUR_FOLDERS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(wrapt.__file__)) + os.sep,
+)
+
 
 class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """Marks our wrappers, so applying twice wraps once and removing unwraps only ours."""
 
 
-def _wrappers(module: ModuleType, target: Target, force: bool = False) -> dict[str, _WrapperFunction]:
+def _hook_caller() -> FrameType | None:
+    """The frame that called the wrapped enable hook: the first one below ours and wrapt's."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OUR_FOLDERS):
+        frame = frame.f_back
+    return frame
+
+
+def _convert_at_forward(module: object, replace_always_called: bool) -> bool:
+    """Called as the pre-hook of ``module``: turn its plain pairs into a gate.
+
+    Returns True when the gate takes this forward's hold, so the wrapped enable function must not;
+    False when it should run as it is (not a module, or nothing to convert). A module gated already
+    answers True: its gate's own pre-hook takes the hold (this call comes from the snapshot of
+    pre-hooks torch took before a conversion, or from a plain pair registered beside the gate, which
+    ``install`` now folds into the gate).
+    """
+    if not isinstance(module, torch.nn.Module):
+        return False
+    gated = gate.Gate.of(module) is not None
+    changed = hooks.install(module, replace_always_called)
+    if gated:
+        return True
+    if not changed:
+        return False
+    enter = _enter_hook(module)
+    enter(module, (), _hook_caller())
+    return True
+
+
+def _enter_hook(module: torch.nn.Module) -> gate.EnterHook:
+    """The gate's pre-hook on a module ``hooks.install`` has just gated."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, gate.EnterHook):
+            return hook
+    raise LookupError(f"no gate on {type(module).__name__} after installing one")
+
+
+def _clamped_disable(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A disable function that never goes below zero, and empties the cache at zero."""
+    if cache.counter() > 0:
+        return wrapped(*args, **kwargs)
+    cache.give_back(0)
+    return None
+
+
+def _wrappers(module: ModuleType, target: Target, force: bool) -> dict[str, _WrapperFunction]:
+    """The wrapper function for each of the target's functions, by name."""
+
     def register(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = wrapped(*args, **kwargs)
         quantized = args[0] if args else kwargs.get("module")
         try:
             if quantized is not None:
-                gate.install(quantized, replace_always_called=force)
+                hooks.install(quantized, replace_always_called=force)
         except Exception:  # never break the user's quantization call
             logger.exception("could not install the cache gate on %s", type(quantized).__name__)
         return result
 
     def enable(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         try:
-            if args and gate.convert_at_forward(args[0], force):
-                return None
+            converted = bool(args) and _convert_at_forward(args[0], force)
         except Exception:  # never break the user's forward: the plain hook runs as it is
             logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
+            converted = False
+        if converted:
+            return None
         return wrapped(*args, **kwargs)
 
     wrappers: dict[str, _WrapperFunction] = {target.register: register}
-    if hasattr(module, gate.ENABLE_NAME):
-        wrappers[gate.ENABLE_NAME] = enable
-    if target.clamp is not None:
-        wrappers[target.clamp] = gate.clamped_disable
+    if hasattr(module, target.enable_hook):
+        wrappers[target.enable_hook] = enable
+    if target.clamp:
+        wrappers[target.disable_hook] = _clamped_disable
     return wrappers
 
 
-def is_applied(module: ModuleType, target: Target = BITSANDBYTES) -> bool:
+def is_applied(module: ModuleType, target: Target) -> bool:
     """Whether our wrappers are on the target's module right now."""
-    return all(isinstance(getattr(module, name, None), _Wrapper) for name in _wrappers(module, target))
+    names = _wrappers(module, target, force=False)
+    return all(isinstance(getattr(module, name, None), _Wrapper) for name in names)
 
 
-def apply(module: ModuleType, target: Target = BITSANDBYTES, replace_always_called: bool = False) -> None:
-    """Wrap the target's functions, once. ``replace_always_called`` (force): the gate also replaces pairs
-    whose disable hook is already always-called."""
+def apply(module: ModuleType, target: Target, replace_always_called: bool = False) -> None:
+    """Wrap the target's functions, once. ``replace_always_called`` (force): the gate also replaces
+    pairs whose disable hook is already always-called."""
     for name, wrapper in _wrappers(module, target, replace_always_called).items():
         current = getattr(module, name)
         if not isinstance(current, _Wrapper):  # applying twice wraps once
             setattr(module, name, _Wrapper(current, wrapper))
 
 
-def remove(module: ModuleType, target: Target = BITSANDBYTES) -> None:
+def remove(module: ModuleType, target: Target) -> None:
     """Put the library's own functions back (only ours are unwrapped)."""
-    for name in _wrappers(module, target):
+    for name in _wrappers(module, target, force=False):
         current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
             setattr(module, name, current.__wrapped__)

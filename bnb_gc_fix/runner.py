@@ -12,6 +12,10 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+EXIT_USAGE = 2  # no command given (the same status as the command line's other usage errors)
+EXIT_NOT_EXECUTABLE = 126  # the shell's status for a file that is not executable
+EXIT_NOT_FOUND = 127  # the shell's status for a command that is not found
+
 SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sitecustomize")
 
 
@@ -28,18 +32,18 @@ def run(command: Sequence[str]) -> int:
     """Replace this process with ``command`` (POSIX), or run it and return its exit status."""
     if not command:
         print("bnb-gc-fix run: no command given; usage: bnb-gc-fix run -- CMD [ARGS ...]", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     env = environment()
     if shutil.which(command[0], path=env.get("PATH", os.defpath)) is None:
         if os.sep in command[0] and os.path.exists(command[0]):
             print(f"bnb-gc-fix run: {command[0]}: permission denied (not executable)", file=sys.stderr)
-            return 126
+            return EXIT_NOT_EXECUTABLE
         print(f"bnb-gc-fix run: {command[0]}: command not found", file=sys.stderr)
-        return 127
+        return EXIT_NOT_FOUND
     if os.name == "posix":
         try:
             os.execvpe(command[0], list(command), env)
         except OSError as error:
             print(f"bnb-gc-fix run: cannot run {command[0]!r}: {error}", file=sys.stderr)
-            return 127
+            return EXIT_NOT_FOUND
     return subprocess.call(list(command), env=env)

@@ -1,6 +1,9 @@
-"""``bnb_gc_fix.status()``: each library's state (:mod:`bnb_gc_fix.activation`), what its module shows
-right now, and torch's cache, read without importing or raising. The overall state, the JSON of
-``bnb-gc-fix status --json`` and its text are all computed from one :class:`Status`, so no two disagree.
+"""``bnb_gc_fix.status()``: a read-only view of where the fix stands in this process.
+
+Each library's state and sentence come from :meth:`bnb_gc_fix.activation.Library.now`, its verdict from
+what activation recorded (``status()`` never probes, and runs no library code); torch's cache is read
+without importing torch. The overall state, the JSON of ``bnb-gc-fix status --json`` and its text are
+all computed from one :class:`Status`, so no two disagree.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ from typing import Any
 
 import _bnb_gc_fix_boot as boot
 import _bnb_gc_fix_cache as cache
+import _bnb_gc_fix_vocabulary as vocabulary
 from bnb_gc_fix import activation, decide, installed, notebook
 from bnb_gc_fix.activation import Library, State
 from bnb_gc_fix.targets import BITSANDBYTES
-
-PATCHED, UNPATCHED, ARMED, NOT_NEEDED, OFF, SKIPPED = (state.value for state in State)
 
 
 @dataclass(frozen=True)
@@ -28,17 +30,20 @@ class LibraryStatus:
     name: str  # the library: "bitsandbytes", "axolotl"
     module: str  # the module whose functions are wrapped: "bitsandbytes.nn.parametrize"
     version: str | None  # its __version__; None while it is not imported
+    installed: bool  # it is imported, or an import of it would find it on sys.path
     state: str  # one word, from what its module shows right now: a value of activation.State
-    affected: bool | None  # its code registers the leaking plain pair (None: not known, not imported)
+    affected: bool | None  # its code registers the leaking plain pair (None: not known)
     probe: str | None  # what the probe of its code saw, in a few words (None: not probed)
     reason: str  # a human sentence: why it is, or is not, patched
 
     @property
     def patched(self) -> bool:
-        return self.state == PATCHED
+        return self.state == State.PATCHED.value
 
     def as_dict(self) -> dict[str, Any]:
-        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "patched": self.patched}
+        facts = {f.name: getattr(self, f.name) for f in fields(self)}
+        facts["patched"] = self.patched
+        return facts
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,12 @@ class Status:
     mode: str  # what the last activation read BNB_GC_FIX as: auto, on, off or force
     switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
     switch_now: str | None  # BNB_GC_FIX now: where it differs, it takes effect at the next activate()
-    via: str | None  # "start-up hook", "runner", "import" or "activate()"; None: nothing patched or armed
+    via: str | None  # what turned the fix on in this process (a VIA_* word); None: nothing patched or armed
     startup_hook: str  # "installed", "switched off" (by BNB_GC_FIX) or "not installed"
     cell_end_release: bool  # IPython/Jupyter: a cell ending in an exception releases the cache it held
     gil: bool = True  # False on a free-threaded Python without the GIL (untested; reason says so)
     import_errors: Mapping[str, str] = field(default_factory=dict)  # module -> what its import raised
+    torch_installed: bool = True  # torch is imported, or an import of it would find it
 
     @property
     def bitsandbytes(self) -> LibraryStatus:
@@ -64,12 +70,15 @@ class Status:
 
     def library(self, name: str) -> LibraryStatus | None:
         """The record of the library ``name`` ("axolotl"), or None if it is not listed."""
-        return next((library for library in self.libraries if library.name == name), None)
+        for library in self.libraries:
+            if library.name == name:
+                return library
+        return None
 
     @property
     def deciding(self) -> LibraryStatus:
         """The library :attr:`state` comes from: one unpatched since, else one patched, else bitsandbytes."""
-        for wanted in (UNPATCHED, PATCHED):
+        for wanted in (State.UNPATCHED.value, State.PATCHED.value):
             for library in self.libraries:
                 if library.state == wanted:
                     return library
@@ -82,7 +91,7 @@ class Status:
     @property
     def active(self) -> bool:
         """Some library is patched right now."""
-        return self.state == PATCHED
+        return self.state == State.PATCHED.value
 
     @property
     def switch_changed(self) -> bool:
@@ -90,7 +99,9 @@ class Status:
 
     @property
     def reason(self) -> str:
-        return self.deciding.reason if self.gil else f"{self.deciding.reason}. {UNTESTED_FREE_THREADING}"
+        if self.gil:
+            return self.deciding.reason
+        return f"{self.deciding.reason}. {UNTESTED_FREE_THREADING}"
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, as ``bnb-gc-fix status --json`` prints it (JSON-ready)."""
@@ -107,38 +118,60 @@ class Status:
 
     def lines(self) -> list[str]:
         """The text of ``bnb-gc-fix status`` (and of ``print(status())``), a fact a line."""
-        state = self.state
-        if self.via and state in (PATCHED, ARMED):
-            state += f", turned on by {_VIA.get(self.via, self.via)}"
-        if len(self.libraries) > 1:
-            state += f" (from {self.deciding.name})"
-        lines = [f"state:            {state}"]
+        lines = [f"state:            {self._state_text()}"]
         if not self.gil:
             lines.append(f"  {UNTESTED_FREE_THREADING}")
-        switch = f"{'unset' if self.switch is None else repr(self.switch)} (mode {self.mode})"
-        if self.switch_changed:
-            now = "unset" if self.switch_now is None else repr(self.switch_now)
-            switch += f"; now {now}, which takes effect at the next activate()"
         lines += [
             f"cache counter:    {_number(self.counter)}",
             f"cache bytes:      {_number(self.cache_bytes)}",
-            f"BNB_GC_FIX:       {switch}",
+            f"BNB_GC_FIX:       {self._switch_text()}",
             f"start-up hook:    {self.startup_hook}",
             f"cell-end release: {'installed' if self.cell_end_release else _NO_RELEASE}",
-            f"torch:            {self.torch or _missing('torch', self.import_errors)}",
+            f"torch:            {self.torch or self._missing_text('torch', self.torch_installed)}",
         ]
         for library in self.libraries:
-            version = library.version or _missing(library.name, self.import_errors)
-            lines.append(f"{library.name} {version}: {library.state}")
-            affected = {True: "yes", False: "no", None: "not known"}[library.affected]
-            if library.probe:
-                affected += f" (the probe found: {library.probe})"
-            lines += [f"  affected:       {affected}", f"  why:            {library.reason}"]
+            lines += self._library_lines(library)
         listed = {library.name for library in self.libraries} | {"torch"}  # named in their own lines
         for name, problem in self.import_errors.items():
-            if name.split(".")[0] not in listed:
-                lines.append(f"{name.split('.')[0]}: {problem}")
+            top = name.split(".")[0]
+            if top not in listed:
+                lines.append(f"{top}: {problem}")
         return lines
+
+    def _state_text(self) -> str:
+        text = self.state
+        if self.via and self.state in (State.PATCHED.value, State.ARMED.value):
+            text += f", turned on by {_VIA_TEXT.get(self.via, self.via)}"
+        if len(self.libraries) > 1:
+            text += f" (from {self.deciding.name})"
+        return text
+
+    def _switch_text(self) -> str:
+        text = f"{_quoted_or_unset(self.switch)} (mode {self.mode})"
+        if self.switch_changed:
+            text += f"; now {_quoted_or_unset(self.switch_now)}, which takes effect at the next activate()"
+        return text
+
+    def _missing_text(self, name: str, is_installed: bool) -> str:
+        """What a version-less library is: not installed, failing to import (see why), or not imported."""
+        if not is_installed:
+            return "(not installed)"
+        if any(key.split(".")[0] == name for key in self.import_errors):
+            return "(fails to import: see why)"
+        return "(not imported)"
+
+    def _library_lines(self, library: LibraryStatus) -> list[str]:
+        version = library.version or self._missing_text(library.name, library.installed)
+        affected = _AFFECTED_TEXT[library.affected]
+        if library.probe:
+            affected += f" (the probe found: {library.probe})"
+        elif library.affected is not None:
+            affected += " (by its version; its code was not probed)"
+        return [
+            f"{library.name} {version}: {library.state}",
+            f"  affected:       {affected}",
+            f"  why:            {library.reason}",
+        ]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -150,91 +183,97 @@ UNTESTED_FREE_THREADING = (
 )
 
 _NO_RELEASE = "not installed (IPython/Jupyter only)"
-_VIA = {"start-up hook": "the start-up hook", "runner": "bnb-gc-fix run", "import": "import bnb_gc_fix"}
+_AFFECTED_TEXT = {True: "yes", False: "no", None: "not known"}
+_VIA_TEXT = {
+    vocabulary.VIA_STARTUP_HOOK: "the start-up hook",
+    vocabulary.VIA_RUNNER: "bnb-gc-fix run",
+    vocabulary.VIA_IMPORT: "import bnb_gc_fix",
+    vocabulary.VIA_COMMAND: "this bnb-gc-fix command",
+}
 
 
 def _number(value: int | None) -> str:
-    return "- (torch's parametrization module is not imported)" if value is None else str(value)
+    if value is None:
+        return "- (torch's parametrization module is not imported)"
+    return str(value)
 
 
-def _missing(name: str, errors: Mapping[str, str]) -> str:
-    """What a version-less library is: not installed, failing to import (see why), or not imported."""
-    if any(key.split(".")[0] == name for key in errors):
-        return "(not installed)" if installed.missing(name) else "(fails to import: see why)"
-    return "(not imported)"
+def _quoted_or_unset(value: str | None) -> str:
+    if value is None:
+        return "unset"
+    return repr(value)
 
 
-def _state(library: Library, version: str | None) -> tuple[State, str]:
-    """One library's state and sentence, from what its module shows right now."""
-    state = library.state
-    if state is State.PATCHED and not library.applied():
-        return State.UNPATCHED, (
-            f"{library.target.module} was reloaded or imported again after it was patched, so its own "
-            "functions are back and nothing is patched now; bnb_gc_fix.activate() patches it again"
-        )
-    if state is State.ARMED and library.target is BITSANDBYTES:
-        if version is not None and decide.before_parametrize(version):  # it will never import parametrize
-            return State.NOT_NEEDED, f"{decide.no_parametrize(version)}; nothing to patch"
-        return state, _armed_reason(version) or library.reason
-    return state, library.reason
+def _is_installed(name: str) -> bool:
+    return not installed.absent(name)
 
 
-def _armed_reason(bnb: str | None) -> str | None:
-    """A truer sentence than "armed" when what the patch waits for failed to import, or is not installed."""
-    failed = installed.failures()
-    for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):
-        if name in failed and name not in sys.modules:
-            return f"{failed[name]}; nothing to patch"
-    if bnb is not None or "bitsandbytes" in sys.modules:
-        return None
-    from importlib.machinery import PathFinder
-
-    if PathFinder.find_spec("bitsandbytes") is None:
-        return (
-            "armed: bitsandbytes is not installed, so there is nothing to patch now; the fix "
-            "checks and patches it if it is imported later"
-        )
-    return None
-
-
-def _library(library: Library) -> LibraryStatus:
-    version = library.target.version()
-    verdict = library.verdict(activation.process.mode)
-    affected, probe = (None, None) if verdict is None else (verdict.affected, verdict.probe)
-    state, reason = _state(library, version)
+def _library_status(library: Library) -> LibraryStatus:
+    """One library's record: the state as activation says it stands now, the verdict it recorded."""
     target = library.target
-    return LibraryStatus(target.name, target.module, version, state.value, affected, probe, reason)
+    version = target.version()
+    state, reason = library.now()
+    verdict = library.verdict()
+    if verdict is None:  # never judged: what its version says, if it is imported
+        affected = decide.version_in_range(target, version)
+        probe = None
+    else:
+        affected = verdict.affected
+        probe = verdict.probe
+    return LibraryStatus(
+        name=target.name,
+        module=target.module,
+        version=version,
+        installed=_is_installed(target.name),
+        state=state.value,
+        affected=affected,
+        probe=probe,
+        reason=reason,
+    )
+
+
+def _listed(library: Library) -> bool:
+    """bitsandbytes always; another library once decided on, or imported."""
+    target = library.target
+    return target is BITSANDBYTES or library.decided or target.name in sys.modules
+
+
+def _cache_figures() -> tuple[int | None, int | None]:
+    """torch's counter and cached bytes; None for both while its parametrize is not imported."""
+    if cache.parametrize() is None:
+        return None, None
+    with contextlib.suppress(Exception):  # status() never raises
+        return cache.counter(), cache.cached_bytes()
+    return None, None
+
+
+def _startup_hook() -> str:
+    """Whether a start-up path (the start-up hook or the runner) is in place in this process."""
+    if boot.installed_watcher() is not None or boot.trigger is not None:
+        return "installed"
+    if boot.started_by is not None:
+        return "switched off"
+    return "not installed"
 
 
 def status() -> Status:
-    """Where the fix stands in this process right now (never imports anything, never raises)."""
+    """Where the fix stands in this process right now. Never raises and imports nothing; to say whether
+    a library that is not imported is installed, it reads ``sys.path``."""
     process = activation.process
-    counter: int | None = None
-    cache_bytes: int | None = None
-    if cache.parametrize() is not None:  # else torch's parametrize is not imported: nothing to read
-        with contextlib.suppress(Exception):  # status() never raises
-            counter, cache_bytes = cache.counter(), cache.cached_bytes()
-    via = process.via if activation.on() else None
-    if via == "import" and boot.trigger:  # credited to the start-up hook or the runner only if its finder
-        via = boot.trigger  # fired (another import hook in front of it can hide bitsandbytes' import)
-    hook = "switched off" if boot.started_by is not None else "not installed"
-    if boot.installed_watcher() is not None or boot.trigger is not None:
-        hook = "installed"
+    counter, cache_bytes = _cache_figures()
+    listed = [library for library in process.libraries.values() if _listed(library)]
     return Status(
-        libraries=tuple(
-            _library(library)
-            for library in process.libraries.values()
-            if library.target is BITSANDBYTES or library.decided or library.target.name in sys.modules
-        ),
+        libraries=tuple(_library_status(library) for library in listed),
         torch=decide.torch_version(),
         counter=counter,
         cache_bytes=cache_bytes,
         mode=process.mode,
         switch=process.switch,
-        switch_now=os.environ.get(boot.VARIABLE),
-        via=via,
-        startup_hook=hook,
+        switch_now=os.environ.get(vocabulary.VARIABLE),
+        via=process.via if activation.on() else None,
+        startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
         gil=cache.gil_enabled(),
         import_errors=installed.failures(),
+        torch_installed=_is_installed("torch"),
     )

@@ -1,7 +1,10 @@
-"""The libraries this package patches: each registers the leaking pair (a pre-hook switching torch's
-parametrization cache on, a *plain* forward hook, skipped when the forward raises, switching it off).
-To cover the next look-alike, add its :class:`Target` to :data:`TARGETS` and its module to the start-up
-hook's ``_TARGET_MODULES`` (a test checks that they agree).
+"""The libraries this package patches, and how to patch each one.
+
+Each registers the leaking pair: a pre-hook switching torch's parametrization cache on, and a *plain*
+forward hook, skipped when the forward raises, switching it off. What is known of a library before it
+is imported (its module, its hooks' names, its affected range) lives in ``_bnb_gc_fix_vocabulary``,
+which the start-up hook reads too; a :class:`Target` adds what patching it needs. To cover the next
+look-alike, add its facts to ``_bnb_gc_fix_vocabulary.LIBRARIES`` and its :class:`Target` here.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import _bnb_gc_fix_vocabulary as vocabulary
 
 
 def _probe_bitsandbytes() -> tuple[Any, ...]:
@@ -32,47 +37,70 @@ def _probe_axolotl() -> tuple[Any, ...]:
 class Target:
     """One library whose code registers the leaking cache pair, and how to patch it."""
 
-    name: str  # the library (its top-level package), as users know it
-    module: str  # the module holding the functions to wrap; patched when it is imported
+    facts: vocabulary.Facts
     register: str  # registers the pair on its first argument, a module; wrapped to install the gate
     signatures: tuple[tuple[str, int], ...]  # (function, positional arguments): checked before wrapping
     probe_args: Callable[[], tuple[Any, ...]]  # a probe call's arguments: a throwaway module, ...
-    # The affected range, in one place. Whether to patch an imported module is the probe's decision; the
-    # range is what status() and `check` compare it with, and (for bitsandbytes) first_affected is the
-    # first release with a parametrize module at all: before it there is nothing to patch.
-    first_affected: str
-    first_fixed: str  # the first release whose disable hook is always-called (upstream's fix)
-    clamp: str | None = None  # a disable function wrapped so that a direct call never goes below zero
+    clamp: bool = False  # wrap the disable function so that a direct call never goes below zero
+
+    @property
+    def name(self) -> str:
+        """The library (its top-level package), as users know it."""
+        return self.facts.name
+
+    @property
+    def module(self) -> str:
+        """The module holding the functions to wrap; patched when it is imported."""
+        return self.facts.module
+
+    @property
+    def enable_hook(self) -> str:
+        return self.facts.enable_hook
+
+    @property
+    def disable_hook(self) -> str:
+        return self.facts.disable_hook
+
+    @property
+    def first_affected(self) -> str:
+        """The first release that registers the plain pair. Whether to patch an imported module is the
+        probe's decision; the range is what ``status()`` and ``check`` compare it with."""
+        return self.facts.first_affected
+
+    @property
+    def first_fixed(self) -> str:
+        """The first release whose disable hook is always called (upstream's fix)."""
+        return self.facts.first_fixed
+
+    @property
+    def affected_range(self) -> str:
+        return f"{self.first_affected} <= v < {self.first_fixed}"
 
     def version(self) -> str | None:
         """``<name>.__version__`` if the library is imported (never imports it)."""
         version = getattr(sys.modules.get(self.name), "__version__", None)
-        return None if version is None else str(version)
+        if version is None:
+            return None
+        return str(version)
 
 
 BITSANDBYTES = Target(
-    name="bitsandbytes",
-    module="bitsandbytes.nn.parametrize",
+    facts=vocabulary.BITSANDBYTES,
     register="_register_parametrization_hooks",
     signatures=(
         ("_register_parametrization_hooks", 2),
-        ("_enable_parametrization_cache", 2),
-        ("_disable_parametrization_cache", 3),
+        (vocabulary.BITSANDBYTES.enable_hook, 2),
+        (vocabulary.BITSANDBYTES.disable_hook, 3),
     ),
     probe_args=_probe_bitsandbytes,
-    first_affected="0.48.0",
-    first_fixed="0.50.0",
-    clamp="_disable_parametrization_cache",
+    clamp=True,
 )
 
 AXOLOTL = Target(
-    name="axolotl",
-    module="axolotl.monkeypatch.moe_quant",
+    facts=vocabulary.AXOLOTL,
     register="replace_parameter_8bit",
     signatures=(("replace_parameter_8bit", 2),),
     probe_args=_probe_axolotl,
-    first_affected="0.15.0",
-    first_fixed="0.20.0",
 )
 
 TARGETS: tuple[Target, ...] = (BITSANDBYTES, AXOLOTL)

@@ -13,7 +13,7 @@ import textwrap
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from packaging.version import Version
@@ -104,6 +104,18 @@ class Run:
         return next(r["summary"] for r in self.records if "summary" in r)
 
     @property
+    def last_line(self) -> str:
+        """The last line the child printed (a snippet prints its result last)."""
+        lines = self.stdout.rstrip().splitlines()
+        assert lines, f"the child printed nothing:\n{self.stderr}"
+        return lines[-1]
+
+    @property
+    def last_json(self) -> Any:
+        """The last line the child printed, parsed as JSON."""
+        return json.loads(self.last_line)
+
+    @property
     def our_stderr(self) -> str:
         """stderr without the lines torch/bitsandbytes print on their own."""
         return "\n".join(
@@ -147,10 +159,43 @@ def run_python(
     return Run(completed.returncode, completed.stdout, completed.stderr)
 
 
-def run_code(code: str, switch: str | None = None, **kwargs: Any) -> Run:
-    """Run a dedented snippet in a fresh interpreter; fail loudly with its output if it crashes."""
-    result = run_python(["-c", textwrap.dedent(code)], switch=switch, **kwargs)
-    assert result.returncode == 0, f"snippet failed:\n{result.stdout}\n{result.stderr}"
+# Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.
+WITHOUT_STARTUP_HOOK = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "bnb_gc_fix_watcher", False)]
+"""
+
+# What tests/scenarios' helpers need: `sys` and `json` imported, and the folder importable (quantized, ...).
+_SCENARIOS_ON_PATH = f"import sys, json\nsys.path.insert(0, {str(SCENARIOS)!r})\n"
+
+# The preludes a snippet can start with, each defined once here: run_code(..., prelude=NAME).
+Prelude = Literal["scenarios", "without-startup-hook", "scenarios-without-startup-hook"]
+PRELUDES: dict[str, str] = {
+    "scenarios": _SCENARIOS_ON_PATH,
+    "without-startup-hook": WITHOUT_STARTUP_HOOK,
+    "scenarios-without-startup-hook": WITHOUT_STARTUP_HOOK + _SCENARIOS_ON_PATH,
+}
+
+
+def run_code(
+    code: str,
+    *argv: str,
+    prelude: Prelude | None = None,
+    switch: str | None = None,
+    check: bool = True,
+    **kwargs: Any,
+) -> Run:
+    """Run a snippet in a fresh interpreter, with BNB_GC_FIX set to ``switch`` (None: unset).
+
+    The snippet is dedented and starts with the named ``prelude`` (one of PRELUDES; None: none); ``argv``
+    is its ``sys.argv[1:]``, the one way a test passes it values. With ``check`` (the default) a snippet
+    that crashes fails the test with its output. Its result: ``.last_json``, ``.last_line``, ``.stdout``.
+    """
+    source = PRELUDES[prelude] if prelude is not None else ""
+    source += textwrap.dedent(code)
+    result = run_python(["-c", source, *argv], switch=switch, **kwargs)
+    if check:
+        assert result.returncode == 0, f"snippet failed:\n{result.stdout}\n{result.stderr}"
     return result
 
 
@@ -161,6 +206,7 @@ def run_code(code: str, switch: str | None = None, **kwargs: Any) -> Run:
 _CLI_CALLS = """
 import contextlib, io, json, sys
 from bnb_gc_fix.cli import main
+CALLS = json.loads(sys.argv[1])
 def call(args):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -171,12 +217,11 @@ print("CLI_CALLS " + json.dumps([call(args) for args in CALLS]))
 
 
 def cli_calls(
-    *calls: list[str], prelude: str = "", switch: str | None = None, **kwargs: Any
+    *calls: list[str], setup: str = "", switch: str | None = None, **kwargs: Any
 ) -> list[tuple[int, str, str]]:
-    """``bnb-gc-fix ARGS`` for each of ``calls``, in one fresh interpreter after ``prelude``:
+    """``bnb-gc-fix ARGS`` for each of ``calls``, in one fresh interpreter after the code ``setup``:
     ``(exit code, stdout, stderr)`` each."""
-    code = prelude + f"\nCALLS = {list(calls)!r}\n" + _CLI_CALLS
-    result = run_code(code, switch=switch, **kwargs)
+    result = run_code(setup + _CLI_CALLS, json.dumps(calls), switch=switch, **kwargs)
     line = next(line for line in result.stdout.splitlines() if line.startswith("CLI_CALLS "))
     return [(code, out, err) for code, out, err in json.loads(line[len("CLI_CALLS ") :])]
 
@@ -227,13 +272,6 @@ def pip_target(spec: str) -> Path:
             )
             marker.write_text(spec + "\n")
     return target
-
-
-# Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.
-WITHOUT_STARTUP_HOOK = """
-import sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "bnb_gc_fix_watcher", False)]
-"""
 
 
 # --- tests that need another release downloaded ------------------------------------------------------

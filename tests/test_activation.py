@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ from conftest import (
     ROOT,
     SCENARIOS,
     TINY_OLMOE,
-    WITHOUT_STARTUP_HOOK,
     environment,
     run_code,
     run_python,
@@ -34,7 +34,13 @@ HEAVY = ["wrapt", "packaging", "importlib.metadata", "torch", "bitsandbytes", "b
 # --- fixtures: interpreters without our start-up hook -------------------------------------------
 
 
-def _make_venv(path: Path, with_dependencies: bool) -> Path:
+@dataclass(frozen=True)
+class Venv:
+    python: Path
+    site_packages: Path
+
+
+def _make_venv(path: Path, with_dependencies: bool) -> Venv:
     """A venv whose site-packages sees this interpreter's packages as a plain path entry.
 
     A plain path line in a .pth adds the directory to sys.path without processing the .pth
@@ -42,33 +48,28 @@ def _make_venv(path: Path, with_dependencies: bool) -> Path:
     """
     venv.EnvBuilder(with_pip=False).create(path)
     python = path / "bin" / "python"
+    site_packages = _site_packages(python)
+    if with_dependencies:
+        ours = sysconfig.get_paths()["purelib"]
+        (site_packages / "dependencies.pth").write_text(ours + "\n")
+    return Venv(python, site_packages)
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An interpreter with torch, bitsandbytes and transformers but no bnb-gc-fix start-up hook."""
+    return _make_venv(tmp_path_factory.mktemp("bare") / "venv", with_dependencies=True).python
+
+
+def _site_packages(python: Path) -> Path:
+    """``python``'s site-packages folder (asked of that interpreter)."""
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.strip()
-    if with_dependencies:
-        ours = sysconfig.get_paths()["purelib"]
-        Path(purelib, "dependencies.pth").write_text(ours + "\n")
-    return python
-
-
-@pytest.fixture(scope="module")
-def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An interpreter with torch, bitsandbytes and transformers but no bnb-gc-fix start-up hook."""
-    return _make_venv(tmp_path_factory.mktemp("bare") / "venv", with_dependencies=True)
-
-
-def _site_packages(python: Path) -> Path:
-    return Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    return Path(purelib)
 
 
 # --- the start-up hook ----------------------------------------------------------------------------
@@ -95,8 +96,7 @@ def test_startup_hook_control_switched_off_leaks() -> None:
 
 
 def test_interpreter_start_imports_nothing_costly_and_prints_nothing() -> None:
-    result = run_python(["-c", "import sys; print(sorted(sys.modules))"])
-    assert result.returncode == 0
+    result = run_code("import sys; print(sorted(sys.modules))")
     assert result.stderr == ""
     modules = set(eval(result.stdout))
     assert "_bnb_gc_fix_boot" in modules  # the hook ran...
@@ -110,11 +110,23 @@ def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
     assert result.stdout.strip() == "False"
 
 
-def test_the_start_up_hook_watches_every_patched_module() -> None:
-    # The hook cannot import the package at start-up, so it keeps the targets' modules as a literal.
-    code = "import _bnb_gc_fix_boot as boot; from bnb_gc_fix.targets import TARGETS\n"
-    code += "print(set(boot._TARGET_MODULES) == {t.module for t in TARGETS})"
-    assert run_code(code).stdout.strip() == "True"
+WATCHED = """
+import json
+import _bnb_gc_fix_boot as boot
+import _bnb_gc_fix_imports as imports
+from bnb_gc_fix.targets import TARGETS
+print(json.dumps({
+    "boot": sorted(boot._WATCHED),
+    "registry": sorted(imports.WATCHED),
+    "targets": sorted({"bitsandbytes", *(target.module for target in TARGETS)}),
+}))
+"""
+
+
+def test_the_start_up_hook_watches_bitsandbytes_and_every_patched_module() -> None:
+    # The start-up hook cannot import the package, so both read the modules from _bnb_gc_fix_vocabulary.
+    watched = run_code(WATCHED, switch="0").last_json
+    assert watched["boot"] == watched["registry"] == watched["targets"]
 
 
 def test_processes_without_bitsandbytes_never_import_the_package() -> None:
@@ -127,8 +139,8 @@ def test_processes_without_bitsandbytes_never_import_the_package() -> None:
 
 @pytest.mark.parametrize("broken", ["package-removed", "bootstrap-removed", "bootstrap-corrupt"])
 def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
-    python = _make_venv(tmp_path / "venv", with_dependencies=False)
-    site = _site_packages(python)
+    made = _make_venv(tmp_path / "venv", with_dependencies=False)
+    site = made.site_packages
     shutil.copy(ROOT / "bnb_gc_fix.pth", site / "bnb_gc_fix.pth")
     if broken != "bootstrap-removed":
         shutil.copy(ROOT / "_bnb_gc_fix_boot.py", site / "_bnb_gc_fix_boot.py")
@@ -137,14 +149,16 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
     # A stand-in for bitsandbytes, so the finder fires and tries to import the missing package.
     (site / "bitsandbytes").mkdir()
     (site / "bitsandbytes" / "__init__.py").write_text("")
-    result = run_python(["-c", "import bitsandbytes; print('ok')"], executable=str(python), cwd=tmp_path)
+    result = run_code(
+        "import bitsandbytes; print('ok')", check=False, executable=str(made.python), cwd=tmp_path
+    )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ok", "")
 
 
 def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
-    python = _make_venv(tmp_path / "venv", with_dependencies=False)
-    (_site_packages(python) / "naive.pth").write_text("import _bnb_gc_fix_boot\n")
-    result = run_python(["-c", "pass"], executable=str(python), cwd=tmp_path)
+    made = _make_venv(tmp_path / "venv", with_dependencies=False)
+    (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix_boot\n")
+    result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path)
     assert "Error processing line" in result.stderr
 
 
@@ -214,7 +228,7 @@ print(json.dumps(dict(active=explicit.active, mode=explicit.mode, reason=explici
 
 def _switch(value: str | None) -> dict[str, object]:
     result = run_code(SWITCH, switch=value)
-    facts: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
+    facts: dict[str, object] = result.last_json
     # The start-up hook imports the package when bitsandbytes is imported, before the snippet
     # catches warnings: those reach stderr. Count both.
     printed = [line for line in result.stderr.splitlines() if "Warning: " in line and "BNB_GC_FIX" in line]
@@ -244,10 +258,11 @@ SPELLINGS = {
 def test_every_spelling_of_the_switch_reads_as_its_mode() -> None:
     # The one function that reads a value (pure: no state). Each mode's behaviour in a fresh
     # interpreter is tested below, with one of its spellings.
-    import _bnb_gc_fix_boot as boot
+    import _bnb_gc_fix_vocabulary as vocabulary
 
-    assert {value: boot.parse(value) for value in SPELLINGS} == {v: (m, True) for v, m in SPELLINGS.items()}
-    assert boot.parse("sometimes") == ("auto", False)
+    read = {value: vocabulary.parse(value) for value in SPELLINGS}
+    assert read == {value: (mode, True) for value, mode in SPELLINGS.items()}
+    assert vocabulary.parse("sometimes") == ("auto", False)
 
 
 @pytest.mark.parametrize("value", [None, " yes ", "Force"])
@@ -276,8 +291,7 @@ def test_unknown_switch_value_warns_once_and_behaves_as_auto() -> None:
 
 
 def test_off_still_lets_explicit_helpers_work() -> None:
-    code = f"""
-import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+    code = """
 import torch, bnb_gc_fix, quantized
 from torch.utils.checkpoint import checkpoint
 model = torch.nn.ModuleList([quantized.make(params=2)])
@@ -286,7 +300,8 @@ x = torch.randn(2, 64)
 checkpoint(model[0], x, use_reentrant=False).sum().backward()
 print(json.dumps([bnb_gc_fix.status().active, fixed, quantized.counter()]))
 """
-    assert json.loads(run_code(code, switch="0").stdout) == [False, 1, 0]
+    result = run_code(code, prelude="scenarios", switch="0")
+    assert json.loads(result.stdout) == [False, 1, 0]
 
 
 # --- child processes ---------------------------------------------------------------------------
@@ -295,7 +310,7 @@ print(json.dumps([bnb_gc_fix.status().active, fixed, quantized.counter()]))
 def test_spawn_and_subprocess_children_are_covered() -> None:
     result = run_python([str(SCENARIOS / "children.py")], timeout=600)
     assert result.returncode == 0, result.stderr
-    facts = json.loads(result.stdout.splitlines()[-1])
+    facts = result.last_json
     assert facts["parent_imported"] is False
     assert facts["spawn"] == {"counters": [0, 0], "via": "start-up hook"}
     assert facts["subprocess"] == {"counters": [0, 0], "via": "start-up hook"}
@@ -304,7 +319,7 @@ def test_spawn_and_subprocess_children_are_covered() -> None:
 def test_spawn_and_subprocess_children_control_leak() -> None:
     result = run_python([str(SCENARIOS / "children.py")], switch="0", timeout=600)
     assert result.returncode == 0, result.stderr
-    facts = json.loads(result.stdout.splitlines()[-1])
+    facts = result.last_json
     assert facts["spawn"]["counters"][-1] > 0
     assert facts["subprocess"]["counters"][-1] > 0
 
@@ -351,36 +366,44 @@ def test_torchrun_control_switched_off_leaks_on_both_ranks(tmp_path: Path) -> No
     assert (last[0] > 0 and last[1] > 0) if AFFECTED else last == {0: 0, 1: 0}
 
 
-PENDING = (
-    WITHOUT_STARTUP_HOOK
-    + """
+PENDING = """
 import json, os
 import bnb_gc_fix
 pending = bnb_gc_fix.status().bitsandbytes.state == "armed"
-CANCEL
+cancel = sys.argv[1]  # what happens to the pending patch before bitsandbytes is imported
+if cancel == "deactivate":
+    bnb_gc_fix.deactivate()
+elif cancel == "switched-off-and-read":
+    os.environ["BNB_GC_FIX"] = "off"
+    bnb_gc_fix.activate()
+elif cancel == "switched-off-unread":  # set after activation, read by nothing until the next activate()
+    os.environ["BNB_GC_FIX"] = "off"
+    s = bnb_gc_fix.status()
+    said = "takes effect at the next activate()" in str(s)
+    print(json.dumps([s.mode, s.switch, s.switch_now, s.switch_changed, said]))
+elif cancel != "nothing":
+    raise SystemExit(f"unknown cancel {cancel!r}")
 from bitsandbytes.nn import parametrize
 status = bnb_gc_fix.status()
 print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, "__wrapped__"),
     status.active, status.bitsandbytes.state == "armed", status.reason]))
 """
-)
 
 
 @pytest.mark.parametrize(
     ("cancel", "reason"),
     [
-        ("pass", "patched"),
-        ("bnb_gc_fix.deactivate()", "deactivated by deactivate()"),
-        ("os.environ['BNB_GC_FIX'] = 'off'; bnb_gc_fix.activate()", "disabled by the environment"),
+        ("nothing", "patched"),
+        ("deactivate", "deactivated by deactivate()"),
+        ("switched-off-and-read", "disabled by the environment"),
     ],
     ids=["control-stays-pending", "deactivate", "switched-off-and-read"],
 )
 def test_a_pending_patch_can_be_cancelled(cancel: str, reason: str) -> None:
-    pending, wrapped, active, still_pending, said = json.loads(
-        run_code(PENDING.replace("CANCEL", cancel)).stdout
-    )
+    result = run_code(PENDING, cancel, prelude="without-startup-hook")
+    pending, wrapped, active, still_pending, said = json.loads(result.stdout)
     assert pending is True and still_pending is False
-    assert (wrapped, active) == ((True, True) if cancel == "pass" else (False, False))
+    assert (wrapped, active) == ((True, True) if cancel == "nothing" else (False, False))
     assert reason in said
 
 
@@ -388,14 +411,8 @@ def test_the_switch_is_read_once_per_activation_and_status_says_when_it_changed_
     # Set after activation, BNB_GC_FIX=off changes nothing until the next activate(); status() reports
     # the value the activation read, and the value now. Every path (the pending patch, repair(), status)
     # answers as that one reading.
-    code = PENDING.replace(
-        "CANCEL",
-        "os.environ['BNB_GC_FIX'] = 'off'\n"
-        "s = bnb_gc_fix.status()\n"
-        "said = 'takes effect at the next activate()' in str(s)\n"
-        "print(json.dumps([s.mode, s.switch, s.switch_now, s.switch_changed, said]))",
-    )
-    out = run_code(code).stdout.splitlines()
+    result = run_code(PENDING, "switched-off-unread", prelude="without-startup-hook")
+    out = result.stdout.splitlines()
     assert json.loads(out[-2]) == ["auto", None, "off", True, True]
-    pending, wrapped, active, still_pending, _ = json.loads(out[-1])
+    pending, wrapped, active, still_pending, _ = result.last_json
     assert (pending, wrapped, active, still_pending) == (True, True, True, False)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import textwrap
 from email.parser import Parser
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ from typing import Any
 import pytest
 from conftest import (
     SCENARIOS,
-    WITHOUT_STARTUP_HOOK,
+    Prelude,
     Run,
     environment,
     pip_target,
+    run_code,
     run_python,
 )
 from packaging.specifiers import SpecifierSet
@@ -124,18 +124,15 @@ def test_axolotl_control_leaks_without_the_package(axolotl: str, bitsandbytes: s
 
 @BITSANDBYTES
 def test_explicit_import_without_start_up_hook(bitsandbytes: str) -> None:
-    code = WITHOUT_STARTUP_HOOK + textwrap.dedent(
-        f"""
+    code = """
         import runpy
-        sys.path.insert(0, {str(SCENARIOS)!r})
-        sys.argv = [{str(SCENARIO)!r}, "--steps", "4", "--import-fix"]
+        sys.argv = sys.argv[1:]  # the scenario's own command line
         runpy.run_path(sys.argv[0], run_name="__main__")
         """
-    )
+    argv = [str(SCENARIO), "--steps", "4", "--import-fix"]
     for switch, expected in ((None, [0, 0, 0, 0]), ("0", [3, 6, 9, 12])):
         env = environment(switch, PYTHONPATH=_pythonpath("0.19.0", bitsandbytes))
-        run = run_python(["-c", code], env=env)
-        assert run.returncode == 0, run.stderr
+        run = run_code(code, *argv, prelude="scenarios-without-startup-hook", env=env)
         assert _counters(run) == expected, switch
         assert run.summary["via"] == ("import" if switch is None else None)
 
@@ -173,17 +170,13 @@ def test_fixed_axolotl_control(axolotl: str, bitsandbytes: str) -> None:
 
 # --- status, deactivate, unexpected internals, repair ---------------------------------------------
 
-SNIPPET_PRELUDE = f"""
-import sys, json, warnings
-sys.path.insert(0, {str(SCENARIOS)!r})
-"""
 
-
-def _snippet(code: str, axolotl: str = "0.19.0", switch: str | None = None) -> Any:
+def _snippet(
+    code: str, axolotl: str = "0.19.0", switch: str | None = None, prelude: Prelude = "scenarios"
+) -> Any:
+    """The JSON a snippet prints last, run with axolotl ``axolotl`` on the installed bitsandbytes."""
     env = environment(switch, PYTHONPATH=_pythonpath(axolotl, "installed"))
-    run = run_python(["-c", SNIPPET_PRELUDE + textwrap.dedent(code)], env=env)  # cwd: the checkout under test
-    assert run.returncode == 0, f"snippet failed:\n{run.stdout}\n{run.stderr}"
-    return json.loads(run.stdout.splitlines()[-1])
+    return run_code(code, prelude=prelude, env=env).last_json  # cwd: the checkout under test
 
 
 def test_status_reports_each_library_and_deactivate_undoes_the_axolotl_patch() -> None:
@@ -217,8 +210,8 @@ def test_cli_status_lists_axolotl() -> None:
 
 
 def test_unexpected_axolotl_internals_mean_no_patch_and_one_warning() -> None:
-    code = WITHOUT_STARTUP_HOOK + textwrap.dedent(
-        """
+    code = """
+        import warnings
         from axolotl.monkeypatch import moe_quant
         moe_quant.replace_parameter_8bit = lambda module, param_name: None  # registers nothing
         original = moe_quant.replace_parameter_8bit
@@ -231,8 +224,7 @@ def test_unexpected_axolotl_internals_mean_no_patch_and_one_warning() -> None:
         print(json.dumps(dict(patched=axolotl.patched, reason=axolotl.reason, warnings=ours,
             untouched=moe_quant.replace_parameter_8bit is original)))
         """
-    )
-    facts = _snippet(code)
+    facts = _snippet(code, prelude="scenarios-without-startup-hook")
     assert facts["patched"] is False and facts["untouched"]
     assert "got 0 enable and 0 disable cache hooks" in facts["reason"]
     assert facts["reason"].endswith("nothing patched")

@@ -14,7 +14,6 @@ package's (conftest.FIRST_AFFECTED, FIRST_FIXED).
 
 from __future__ import annotations
 
-import json
 from functools import cache
 from typing import Any
 
@@ -33,7 +32,7 @@ RESUME = "torch_dynamo_resume_in_"
 def facts() -> dict[str, Any]:
     run = run_python([str(SCENARIOS / "canary.py")], switch="0", timeout=600)
     assert run.returncode == 0, f"the canary's probe crashed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    found: dict[str, Any] = json.loads(run.stdout.strip().splitlines()[-1])
+    found: dict[str, Any] = run.last_json
     return found
 
 

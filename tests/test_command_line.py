@@ -15,7 +15,7 @@ INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_"
 
 # --- every path of `check` ----------------------------------------------------------------------
 
-# One interpreter per path: a prelude sets the path up for real (an import blocked by a meta-path
+# One interpreter per path: its setup code sets the path up for real (an import blocked by a meta-path
 # finder, a CPU-only torch asked for CUDA, ...), then `check --json` and `check` both run in it.
 
 BLOCK = """
@@ -67,10 +67,10 @@ PATHS = {
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_every_check_path_exits_2_with_one_json_object(path: str) -> None:
-    prelude, extra, message = PATHS[path]
+    setup, extra, message = PATHS[path]
     args = ["check", "--steps", "2", *extra]
     (json_code, json_out, _), (text_code, text_out, text_err) = cli_calls(
-        [*args, "--json"], args, prelude=prelude
+        [*args, "--json"], args, setup=setup
     )
     assert json_code == text_code == 2, (json_out, text_err)
     [payload_line] = json_out.splitlines()  # exactly one line, one object
@@ -202,7 +202,8 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert bnb["name"] == "bitsandbytes" and bnb["module"] == "bitsandbytes.nn.parametrize"
     assert bnb["version"] == BITSANDBYTES and str(TORCH).startswith(facts["torch"].split("+")[0])
     assert bnb["affected"] is AFFECTED and bnb["patched"] is AFFECTED and bnb["state"] == facts["state"]
-    assert facts["active"] is AFFECTED and facts["via"] == ("start-up hook" if AFFECTED else None)
+    # The command's own import of the package turned the fix on; the start-up hook is reported apart.
+    assert facts["active"] is AFFECTED and facts["via"] == ("command" if AFFECTED else None)
     assert facts["startup_hook"] == "installed"
     assert ("plain forward hook pair" if AFFECTED else "always_call=True") in bnb["probe"]
     assert facts["reason"] == bnb["reason"]
@@ -213,7 +214,7 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert not {"bitsandbytes", "affected", "probe", "pending", "verdict"} & set(facts)
     # The text: the same record, each sentence once.
     lines = text.splitlines()
-    state = "patched, turned on by the start-up hook" if AFFECTED else "not needed"
+    state = "patched, turned on by this bnb-gc-fix command" if AFFECTED else "not needed"
     assert f"state:            {state}" in lines
     assert "cache counter:    0" in lines and "cache bytes:      0" in lines
     assert f"bitsandbytes {BITSANDBYTES}: {bnb['state']}" in lines
@@ -222,16 +223,28 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert whys == [bnb["reason"]] and text.count(bnb["reason"]) == 1
 
 
-def test_status_command_without_torch_reads_armed() -> None:
+def test_status_command_without_torch_reads_not_installed() -> None:
     code = BLOCK.format(name="torch") + "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
     out = result.stdout
     lines = out.splitlines()
-    # bitsandbytes cannot import without torch, so the start-up hook never fired: the CLI's import armed it.
-    assert "state:            armed, turned on by import bnb_gc_fix" in lines
+    # bitsandbytes cannot import without torch: nothing can be patched, and status says so.
+    assert "state:            not installed" in lines
     assert "torch:            (not installed)" in lines
+    assert "bitsandbytes (not imported): not installed" in lines
     assert "cache counter:    - (torch's parametrization module is not imported)" in lines
     assert any(line.startswith("  why:            torch is not installed") for line in lines), out
     whys = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.strip().startswith("why:")]
     assert len(set(whys)) == len(whys)
+
+
+def test_status_command_without_bitsandbytes_reads_not_installed() -> None:
+    status_command = "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
+    code = BLOCK.format(name="bitsandbytes") + status_command
+    result = run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "state:            not installed" in lines
+    assert "bitsandbytes (not installed): not installed" in lines
+    assert any(line.startswith("  why:            bitsandbytes is not installed") for line in lines), lines

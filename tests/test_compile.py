@@ -76,9 +76,12 @@ def test_compiled_model_served_from_two_threads_ends_no_worse_than_the_control()
     control = _without_dynamo_races("0")
     if control is None:  # the rule for hostile hosts: where the control runs, the fix runs too
         pytest.skip("Dynamo's own recompile races (torch's, not ours) hit every run of the control")
+    # A run the races spared raised nothing: no forward was left early, so bitsandbytes' own pair
+    # (plain or always-called) gave back every hold it took, at every step.
+    assert control["counters"] == [0, 0, 0, 0]
+    assert control["cache_entries"] == 0
     fixed = _without_dynamo_races(FIX, tries=8)
     assert fixed is not None, "Dynamo's races hit every run with the fix, while a control run was spared"
-    assert fixed["counters"] == [0] * len(fixed["counters"])
+    assert fixed["counters"] == control["counters"]
     assert fixed["cache_entries"] == 0
     assert fixed["outputs"] == control["outputs"]
-    assert control["counters"][-1] >= fixed["counters"][-1]

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import FIX, SCENARIOS, run_code
+from conftest import FIX, run_code
 
 GIL_OFF = "import sys\nsys._is_gil_enabled = lambda: False\n"
 
-GATE = f"""
-import sys, json, threading, types; sys.path.insert(0, {str(SCENARIOS)!r})
+GATE = """
+import threading, types
 import torch, quantized, bnb_gc_fix
 import torch.nn.utils.parametrize as P
 module, other = quantized.make(params=2), quantized.make(params=1)
@@ -58,7 +58,8 @@ CLI = "from bnb_gc_fix.cli import main\nprint('STATUS')\nraise SystemExit(main([
 @pytest.mark.parametrize("gil", [False, True], ids=["gil-off", "control-gil-on"])
 def test_without_the_gil_the_locked_gate_runs_and_status_says_it_is_untested(gil: bool) -> None:
     # One interpreter: the gate, then `bnb-gc-fix status` (it runs under the fix's own switch there).
-    out = run_code(("" if gil else GIL_OFF) + GATE + CLI, switch=FIX).stdout.splitlines()
+    result = run_code(("" if gil else GIL_OFF) + GATE + CLI, prelude="scenarios", switch=FIX)
+    out = result.stdout.splitlines()
     waited, healed, counter, reason = json.loads(next(line for line in out if line.startswith("[")))
     assert healed == 0  # the Ctrl-C hold healed at the next forward, locked or not
     assert counter == 0  # both threads' forwards paired

@@ -7,10 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, FIX, SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, tiny_olmoe
-
-PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
-
+from conftest import AFFECTED, FIX, run_code, tiny_olmoe
 
 # --- the bug report's reproduction -------------------------------------------------------------
 
@@ -66,9 +63,7 @@ def test_weight_norm_control_freezes_then_crashes() -> None:
 
 # --- the tail module of a checkpointed chain ---------------------------------------------------
 
-TAIL = (
-    PRELUDE
-    + """
+TAIL = """
 import torch
 from torch.utils.checkpoint import checkpoint
 import quantized
@@ -88,23 +83,20 @@ for step in range(3):
     counters.append(quantized.counter())
 print(json.dumps(counters))
 """
-)
 
 
 def test_tail_module_of_checkpointed_chain() -> None:
-    assert json.loads(run_code(TAIL).stdout.splitlines()[-1]) == [0, 0, 0]
+    assert run_code(TAIL, prelude="scenarios").last_json == [0, 0, 0]
 
 
 def test_tail_module_control_leaks() -> None:
-    counters = json.loads(run_code(TAIL, switch="0").stdout.splitlines()[-1])
+    counters = run_code(TAIL, prelude="scenarios", switch="0").last_json
     assert counters[0] > 0 and counters[-1] > counters[0]
 
 
 # --- KeyboardInterrupt -------------------------------------------------------------------------
 
-INTERRUPT = (
-    PRELUDE
-    + """
+INTERRUPT = """
 import gc, torch
 import quantized
 import bnb_gc_fix
@@ -119,15 +111,13 @@ gc.collect()
 after_delete = quantized.counter()
 print(json.dumps([after_interrupt, after_next_forward, before_delete, after_delete]))
 """
-)
 
 
 @pytest.mark.stack
 def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
     # FIX: auto on an affected bitsandbytes; force on a fixed one, whose Ctrl-C still leaks
-    after_interrupt, after_next, before_delete, after_delete = json.loads(
-        run_code(INTERRUPT, switch=FIX).stdout
-    )
+    result = run_code(INTERRUPT, prelude="scenarios", switch=FIX)
+    after_interrupt, after_next, before_delete, after_delete = json.loads(result.stdout)
     assert after_interrupt == 1  # torch ran no forward hook: the hold is still there...
     assert after_next == 0  # ...until the module's next forward releases it
     assert before_delete == 1
@@ -136,16 +126,14 @@ def test_keyboard_interrupt_heals_at_next_forward_and_on_collection() -> None:
 
 @pytest.mark.stack
 def test_keyboard_interrupt_control_stays_stuck() -> None:
-    control = run_code(INTERRUPT, switch="0").stdout
-    after_interrupt, after_next, before_delete, after_delete = json.loads(control)
+    control = run_code(INTERRUPT, prelude="scenarios", switch="0")
+    after_interrupt, after_next, before_delete, after_delete = json.loads(control.stdout)
     assert after_interrupt == 2  # two plain pairs, both pre-hooks ran
     assert after_next == 2
     assert before_delete == after_delete == 4  # two more stuck holds, and nothing gives any back
 
 
-NESTED = (
-    PRELUDE
-    + """
+NESTED = """
 import torch
 import quantized
 import bnb_gc_fix
@@ -172,18 +160,16 @@ module(torch.randn(2, 64))
 seen.append(quantized.counter())
 print(json.dumps(seen))
 """
-)
 
 
 def test_nested_call_keeps_its_hold_while_abandoned_one_is_released() -> None:
-    assert json.loads(run_code(NESTED).stdout) == [2, 1, 0]
+    result = run_code(NESTED, prelude="scenarios")
+    assert json.loads(result.stdout) == [2, 1, 0]
 
 
 # --- exact pairing -------------------------------------------------------------------------------
 
-EARLIER_PRE_HOOK = (
-    PRELUDE
-    + """
+EARLIER_PRE_HOOK = """
 import torch
 import torch.nn.utils.parametrize as P
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -219,24 +205,21 @@ with P.cached():                       # someone else's legitimate hold: counter
 counts.append(int(P._cache_enabled))
 print(json.dumps(counts))
 """
-)
 
 
 def test_earlier_pre_hook_raising_never_releases_a_hold_it_did_not_take() -> None:
-    result = run_code(EARLIER_PRE_HOOK.replace("sys.argv[1]", "'gate'"))
+    result = run_code(EARLIER_PRE_HOOK, "gate", prelude="scenarios")
     assert json.loads(result.stdout) == [1, 1, 1, 0]
 
 
 def test_earlier_pre_hook_control_unpaired_always_call_hook_goes_wrong() -> None:
-    result = run_code(EARLIER_PRE_HOOK.replace("sys.argv[1]", "'upstream-style'"))
+    result = run_code(EARLIER_PRE_HOOK, "upstream-style", prelude="scenarios")
     counts = json.loads(result.stdout)
     assert counts[0] == 0  # the hook released the outer cached() hold it never took
 
 
 def test_direct_disable_call_never_goes_below_zero() -> None:
-    code = (
-        PRELUDE
-        + """
+    code = """
 import torch.nn.utils.parametrize as P
 import bnb_gc_fix
 from bitsandbytes.nn import parametrize
@@ -244,17 +227,15 @@ P._cache["stale"] = object()
 parametrize._disable_parametrization_cache(None, (), None)
 print(json.dumps([int(P._cache_enabled), len(P._cache)]))
 """
-    )
-    assert json.loads(run_code(code).stdout) == [0, 0]
-    assert json.loads(run_code(code, switch="0").stdout)[0] == -1  # control: bitsandbytes' own
+    fixed = run_code(code, prelude="scenarios")
+    control = run_code(code, prelude="scenarios", switch="0")
+    assert json.loads(fixed.stdout) == [0, 0]
+    assert json.loads(control.stdout)[0] == -1  # control: bitsandbytes' own
 
 
 # --- one gate per module, repair, deactivate, idempotence --------------------------------------
 
-HOOKS = (
-    PRELUDE
-    + WITHOUT_STARTUP_HOOK
-    + """
+HOOKS = """
 import torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
@@ -300,11 +281,11 @@ print(json.dumps(dict(
     status=bnb_gc_fix.status().reason,
 )))
 """
-)
 
 
 def test_activate_is_idempotent_repair_and_deactivate() -> None:
-    facts = json.loads(run_code(HOOKS).stdout)
+    result = run_code(HOOKS, prelude="scenarios-without-startup-hook")
+    facts = json.loads(result.stdout)
     assert facts["patched"]
     assert facts["gated"] == [1, 0]  # one gate for two quantized parameters, always-called
     assert facts["restored"]  # one deactivate() undid two activate(): the second wrapped nothing
@@ -316,9 +297,7 @@ def test_activate_is_idempotent_repair_and_deactivate() -> None:
     assert facts["status"] == "deactivated by deactivate()"
 
 
-REPAIR_TRAIN = (
-    PRELUDE
-    + """
+REPAIR_TRAIN = """
 import torch
 from torch.utils.checkpoint import checkpoint
 import bnb_gc_fix
@@ -339,25 +318,24 @@ for step in range(3):
     counters.append(quantized.counter())
 print(json.dumps([fixed, counters]))
 """
-)
 
 
 def test_repair_fixes_a_model_built_while_deactivated() -> None:
-    fixed, counters = json.loads(run_code(REPAIR_TRAIN.replace("sys.argv[1]", "'repair'")).stdout)
+    result = run_code(REPAIR_TRAIN, "repair", prelude="scenarios")
+    fixed, counters = json.loads(result.stdout)
     assert fixed == 2
     assert counters == [0, 0, 0]
 
 
 def test_repair_control_model_built_while_deactivated_leaks() -> None:
-    _, counters = json.loads(run_code(REPAIR_TRAIN.replace("sys.argv[1]", "'no'")).stdout)
+    result = run_code(REPAIR_TRAIN, "no", prelude="scenarios")
+    _, counters = json.loads(result.stdout)
     assert counters[-1] > counters[0] > 0
 
 
 # --- threads -------------------------------------------------------------------------------------
 
-THREADS = (
-    PRELUDE
-    + """
+THREADS = """
 import threading, torch
 import bnb_gc_fix, quantized
 torch.set_num_threads(1)
@@ -378,29 +356,35 @@ for t in threads: t.start()
 for t in threads: t.join()
 print(json.dumps(quantized.counter()))
 """
-)
 
 
 @pytest.mark.stack
 def test_threads_end_with_counter_at_zero() -> None:
-    assert json.loads(run_code(THREADS, switch=FIX).stdout) == 0
+    result = run_code(THREADS, prelude="scenarios", switch=FIX)
+    assert json.loads(result.stdout) == 0
 
 
 @pytest.mark.stack
 def test_threads_control_leaks_on_raising_forwards() -> None:
-    counter = json.loads(run_code(THREADS, switch="0").stdout)
+    result = run_code(THREADS, prelude="scenarios", switch="0")
+    counter = json.loads(result.stdout)
     assert counter > 0 if AFFECTED else counter == 0  # upstream's always_call hook pairs them
 
 
 # --- bitsandbytes internals that do not look as expected --------------------------------------
 
-UNEXPECTED = (
-    PRELUDE
-    + WITHOUT_STARTUP_HOOK
-    + """
+UNEXPECTED = """
 import warnings
 from bitsandbytes.nn import parametrize
-MODE
+change = sys.argv[1]  # bitsandbytes' internals changed before the fix is imported
+if change == "other-signature":
+    parametrize._register_parametrization_hooks = lambda module: None
+elif change == "missing-function":
+    del parametrize._disable_parametrization_cache
+elif change == "registers-nothing":
+    parametrize._register_parametrization_hooks = lambda module, name: None
+else:
+    raise SystemExit(f"unknown change {change!r}")
 original = getattr(parametrize, "_register_parametrization_hooks", None)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -411,35 +395,27 @@ untouched = getattr(parametrize, "_register_parametrization_hooks", None) is ori
 status = bnb_gc_fix.status()
 print(json.dumps(dict(active=status.active, reason=status.reason, warnings=ours, untouched=untouched)))
 """
-)
 
 
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        (
-            "parametrize._register_parametrization_hooks = lambda module: None",
-            "does not take the 2 positional arguments",
-        ),
-        ("del parametrize._disable_parametrization_cache", "has no _disable_parametrization_cache()"),
-        (
-            "parametrize._register_parametrization_hooks = lambda module, name: None",
-            "got 0 enable and 0 disable cache hooks",
-        ),
+        ("other-signature", "does not take the 2 positional arguments"),
+        ("missing-function", "has no _disable_parametrization_cache()"),
+        ("registers-nothing", "got 0 enable and 0 disable cache hooks"),
     ],
     ids=["other-signature", "missing-function", "registers-nothing"],
 )
 def test_unexpected_internals_mean_no_patch_and_one_warning(change: str, expected: str) -> None:
-    facts = json.loads(run_code(UNEXPECTED.replace("MODE", change)).stdout)
+    result = run_code(UNEXPECTED, change, prelude="scenarios-without-startup-hook")
+    facts = json.loads(result.stdout)
     assert facts["active"] is False
     assert expected in facts["reason"] and facts["reason"].endswith("nothing patched")
     assert len(facts["warnings"]) == 1 and expected in facts["warnings"][0]
     assert facts["untouched"]
 
 
-LOOKALIKE = (
-    PRELUDE
-    + """
+LOOKALIKE = """
 import torch
 import torch.nn.utils.parametrize as P
 from torch.utils.checkpoint import checkpoint
@@ -474,14 +450,15 @@ for step in range(3):
     counters.append(quantized.counter())
 print(json.dumps([fixed, counters]))
 """
-)
 
 
 def test_repair_recognises_look_alike_copies_in_other_libraries() -> None:
-    fixed, counters = json.loads(run_code(LOOKALIKE.replace("sys.argv[1]", "'repair'")).stdout)
+    result = run_code(LOOKALIKE, "repair", prelude="scenarios")
+    fixed, counters = json.loads(result.stdout)
     assert fixed == 1 and counters == [0, 0, 0]
 
 
 def test_look_alike_control_leaks_without_repair() -> None:
-    _, counters = json.loads(run_code(LOOKALIKE.replace("sys.argv[1]", "'no'")).stdout)
+    result = run_code(LOOKALIKE, "no", prelude="scenarios")
+    _, counters = json.loads(result.stdout)
     assert counters[-1] > counters[0] > 0

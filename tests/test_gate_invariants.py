@@ -11,15 +11,13 @@ function above zero, and ``reset()`` keeping the gates' holds).
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-from conftest import FIX, SCENARIOS, run_code, run_python
+from conftest import AFFECTED, FIX, SCENARIOS, run_code, run_python
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
-PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
 PROPERTY = SCENARIOS / "gate_property.py"
 EXAMPLES = os.environ.get("BNB_GC_FIX_PROPERTY_EXAMPLES", "300")
 
@@ -38,9 +36,7 @@ def test_gate_invariant_control_is_falsified_without_the_fix() -> None:
 
 # --- the clamp: bitsandbytes' own disable function still runs above zero ------------------------
 
-CLAMP = (
-    PRELUDE
-    + """
+CLAMP = """
 import torch
 import torch.nn.utils.parametrize as P
 import bnb_gc_fix
@@ -56,27 +52,27 @@ for _ in range(3):
     seen.append([int(P._cache_enabled), len(P._cache)])
 print(json.dumps({"seen": seen, "active": bnb_gc_fix.status().active}))
 """
-)
 
 
 def test_clamp_runs_bitsandbytes_own_function_above_zero_and_stops_at_zero() -> None:
-    out = json.loads(run_code(CLAMP, switch=FIX).stdout.splitlines()[-1])
+    out = run_code(CLAMP, prelude="scenarios", switch=FIX).last_json
     assert out["active"] is True
     # 2 -> 1 (its own function ran: the cache kept), 1 -> 0 (emptied), 0 -> 0 (clamped, still empty).
     assert out["seen"] == [2, [1, 1], [0, 0], [0, 0]]
 
 
 def test_clamp_control_goes_below_zero_on_an_affected_bitsandbytes() -> None:
-    out = json.loads(run_code(CLAMP, switch="0").stdout.splitlines()[-1])
-    assert out["seen"][:3] == [2, [1, 1], [0, 0]]
-    assert out["seen"][3][0] in (-1, 0)  # -1 on 0.48-0.49 (no clamp), 0 on 0.50 (its own clamp)
+    out = run_code(CLAMP, prelude="scenarios", switch="0").last_json
+    # The third call goes below zero on an affected bitsandbytes (0.48-0.49: no clamp) and stays at zero on
+    # a fixed one (0.50 clamps it itself); the cache is empty either way.
+    third = [-1, 0] if AFFECTED else [0, 0]
+    assert out["seen"] == [2, [1, 1], [0, 0], third]
+    assert out["active"] is False
 
 
 # --- reset() forgets every gate's holds ---------------------------------------------------------
 
-RESET_FORGETS = (
-    PRELUDE
-    + """
+RESET_FORGETS = """
 import torch
 import torch.nn.utils.parametrize as P
 import bnb_gc_fix, quantized
@@ -89,19 +85,16 @@ with P.cached():  # another holder, after the reset
     inside = int(P._cache_enabled)
 print(json.dumps({"released": released, "inside": inside, "after": int(P._cache_enabled)}))
 """
-)
 
 
 def test_reset_forgets_the_gates_holds_so_no_stale_hold_heals_another_holders() -> None:
-    out = json.loads(run_code(RESET_FORGETS, switch=FIX).stdout.splitlines()[-1])
+    out = run_code(RESET_FORGETS, prelude="scenarios", switch=FIX).last_json
     assert out == {"released": 1, "inside": 1, "after": 0}
 
 
 # --- a second, independent test for each once singly-guarded behaviour --------------------------
 
-EXIT_WITHOUT_HOLD = (
-    PRELUDE
-    + """
+EXIT_WITHOUT_HOLD = """
 import torch
 import torch.nn.utils.parametrize as P
 import bnb_gc_fix, quantized
@@ -114,17 +107,14 @@ after = int(P._cache_enabled)
 module(torch.randn(2, 64))  # and it took nothing away from the gate: a forward still pairs
 print(json.dumps({"inside": inside, "after": after, "held": int(P._cache_enabled)}))
 """
-)
 
 
 def test_exit_hook_without_a_hold_gives_nothing_back() -> None:
-    out = json.loads(run_code(EXIT_WITHOUT_HOLD, switch=FIX).stdout.splitlines()[-1])
+    out = run_code(EXIT_WITHOUT_HOLD, prelude="scenarios", switch=FIX).last_json
     assert out == {"inside": 1, "after": 0, "held": 0}
 
 
-CLAMP_AFTER_RESET = (
-    PRELUDE
-    + """
+CLAMP_AFTER_RESET = """
 import torch
 import torch.nn.utils.parametrize as P
 import bnb_gc_fix
@@ -136,16 +126,13 @@ with P.cached():
     inside = int(P._cache_enabled)
 print(json.dumps({"inside": inside}))
 """
-)
 
 
 def test_clamp_keeps_a_stray_disable_at_zero_after_a_reset() -> None:
-    assert json.loads(run_code(CLAMP_AFTER_RESET, switch=FIX).stdout.splitlines()[-1]) == {"inside": 0}
+    assert run_code(CLAMP_AFTER_RESET, prelude="scenarios", switch=FIX).last_json == {"inside": 0}
 
 
-COLLECTED = (
-    PRELUDE
-    + """
+COLLECTED = """
 import gc, torch, weakref
 import bnb_gc_fix, quantized
 x = torch.randn(2, 64)
@@ -160,14 +147,13 @@ for params in (1, 3):
     counters.append([ref() is None, quantized.counter()])
 print(json.dumps(counters))
 """
-)
 
 
 def test_collected_module_gives_back_its_stuck_hold() -> None:
-    out = json.loads(run_code(COLLECTED, switch=FIX).stdout.splitlines()[-1])
+    out = run_code(COLLECTED, prelude="scenarios", switch=FIX).last_json
     assert out == [1, [True, 0], 1, [True, 0]]  # one gate per module, however many parameters
 
 
 def test_collected_module_control_keeps_the_stuck_holds() -> None:
-    out = json.loads(run_code(COLLECTED, switch="0").stdout.splitlines()[-1])
+    out = run_code(COLLECTED, prelude="scenarios", switch="0").last_json
     assert out[0] == 1 and out[1] == [True, 1] and out[3][1] > 1

@@ -18,8 +18,6 @@ import pytest
 from conftest import (
     AFFECTED,
     BITSANDBYTES,
-    SCENARIOS,
-    WITHOUT_STARTUP_HOOK,
     cli_calls,
     environment,
     pip_target,
@@ -28,8 +26,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
-
-PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
 
 # --- the doctor on broken installs ---------------------------------------------------------------
 
@@ -119,8 +115,10 @@ def test_status_with_the_switch_off_gives_one_answer() -> None:
     assert "start-up hook:    switched off" in lines
     yes = "yes" if AFFECTED else "no"
     assert f"bitsandbytes {BITSANDBYTES}: off" in lines
+    # Nothing was decided with the fix off, and status() never probes: what its version says.
+    assert bnb["probe"] is None
     assert [line for line in lines if line.lstrip().startswith("affected:")] == [
-        f"  affected:       {yes} (the probe found: {bnb['probe']})"
+        f"  affected:       {yes} (by its version; its code was not probed)"
     ]
 
 
@@ -158,8 +156,7 @@ def steps(module, n=3):
 """
 
 RELOAD = (
-    PRELUDE
-    + LEAK
+    LEAK
     + """
 import importlib
 import bnb_gc_fix
@@ -191,7 +188,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (it is not patched otherwise)")
 @pytest.mark.parametrize("how", ["reload", "reimport"])
 def test_a_reloaded_target_module_is_reported_unpatched_and_activate_repairs_it(how: str) -> None:
-    out = json.loads(run_python(["-c", RELOAD, how]).stdout.splitlines()[-1])
+    out = run_code(RELOAD, how, prelude="scenarios").last_json
     assert out["first"] == "patched"
     state, active, reason = out["after"]
     assert (state, active) == ("unpatched", False) and "activate() patches it again" in reason
@@ -201,9 +198,7 @@ def test_a_reloaded_target_module_is_reported_unpatched_and_activate_repairs_it(
 
 
 LATE = (
-    WITHOUT_STARTUP_HOOK
-    + PRELUDE
-    + LEAK
+    LEAK
     + """
 module = quantized.make()  # quantized before the fix is active
 import bnb_gc_fix
@@ -219,7 +214,7 @@ print(json.dumps({"state": s.state, "reason": s.reason, "leaking": leaking, "rep
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes")
 def test_activated_late_status_points_at_repair() -> None:
-    out = json.loads(run_code(LATE).stdout.splitlines()[-1])
+    out = run_code(LATE, prelude="scenarios-without-startup-hook").last_json
     assert out["state"] == "patched"
     assert "already imported when the fix was activated" in out["reason"]
     assert "bnb_gc_fix.repair(model)" in out["reason"]
@@ -267,8 +262,7 @@ def test_find_spec_alone_activates_nothing_and_the_import_does() -> None:
 
 
 LAZY = (
-    PRELUDE
-    + """
+    """
 import importlib.util
 # The lazy-import recipe of Python's docs (importlib.util.LazyLoader): the import system never loads it.
 spec = importlib.util.find_spec("bitsandbytes")
@@ -292,7 +286,7 @@ print(json.dumps({"lazy": lazy, "via": fix and fix.status().via, "counters": ste
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
 @pytest.mark.parametrize("switch", [None, "0"])
 def test_bitsandbytes_imported_through_lazy_loader_activates_the_fix(switch: str | None) -> None:
-    out = json.loads(run_code(LAZY, switch=switch).stdout.splitlines()[-1])
+    out = run_code(LAZY, prelude="scenarios", switch=switch).last_json
     assert out["lazy"] is False and out["loader"] == "SourceFileLoader"
     if switch is None:
         assert out["via"] == "start-up hook" and out["counters"] == [0, 0, 0]
@@ -301,8 +295,7 @@ def test_bitsandbytes_imported_through_lazy_loader_activates_the_fix(switch: str
 
 
 HOOK_IN_FRONT = (
-    PRELUDE
-    + """
+    """
 from importlib.machinery import PathFinder
 
 class Instrumenting:  # as typeguard's import hook: put first at run time, answers for one package
@@ -330,7 +323,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
 @pytest.mark.parametrize("switch", [None, "0"])
 def test_an_import_hook_in_front_hides_bitsandbytes_and_status_says_so(switch: str | None) -> None:
-    out = json.loads(run_code(HOOK_IN_FRONT, switch=switch).stdout.splitlines()[-1])
+    out = run_code(HOOK_IN_FRONT, prelude="scenarios", switch=switch).last_json
     assert out["hidden"] is False  # the limit: the start-up hook never saw bitsandbytes' import
     assert out["before"][-1] > 0  # quantized before activation: the plain pair, as status says
     if switch is None:
@@ -399,18 +392,16 @@ NETS = {
 
 @pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
 def test_safety_nets_never_take_another_threads_live_hold(net: str) -> None:
-    control = json.loads(run_code(PRELUDE + NETS["none"] + BACKGROUND_HOLD).stdout.splitlines()[-1])
+    control = run_code(NETS["none"] + BACKGROUND_HOLD, prelude="scenarios").last_json
     assert control == {"counter": 0, "changed": True, "warnings": []}
-    fixed = run_code(PRELUDE + NETS[net] + BACKGROUND_HOLD)
-    out = json.loads(fixed.stdout.splitlines()[-1])
+    fixed = run_code(NETS[net] + BACKGROUND_HOLD, prelude="scenarios")
+    out = fixed.last_json
     assert out["counter"] == 0 and out["changed"] is True  # never -1, never stale weights
     assert out["warnings"] == []
     assert "released" not in fixed.stderr  # and nothing blamed on a cell that did not do it
 
 
-GUARDED_INTERRUPT = (
-    PRELUDE
-    + """
+GUARDED_INTERRUPT = """
 import warnings, torch, threading
 import torch.nn.utils.parametrize as P
 import quantized, bnb_gc_fix
@@ -425,11 +416,10 @@ with warnings.catch_warnings(record=True) as caught:
 leaks = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.CacheLeakWarning)]
 print(json.dumps({"counter": quantized.counter(), "warnings": leaks}))
 """
-)
 
 
 def test_guard_releases_only_what_the_step_added() -> None:
-    out = json.loads(run_code(GUARDED_INTERRUPT).stdout.splitlines()[-1])
+    out = run_code(GUARDED_INTERRUPT, prelude="scenarios").last_json
     assert out["counter"] == 1  # the step's stuck hold released, the earlier one kept
     [message] = out["warnings"]
     assert "went from 1 to 2" in message and "1 of those holds" in message
@@ -450,9 +440,7 @@ def test_compiled_guarded_step_with_fullgraph() -> None:
 
 # --- repair() honours force -----------------------------------------------------------------------
 
-REPAIR_FORCE = (
-    PRELUDE
-    + """
+REPAIR_FORCE = """
 import torch
 import bnb_gc_fix, quantized
 bnb_gc_fix.deactivate()
@@ -465,14 +453,13 @@ module(x)
 print(json.dumps({"bitsandbytes": __import__("bitsandbytes").__version__, "repaired": repaired,
                   "stuck": stuck, "after": quantized.counter()}))
 """
-)
 
 
 @pytest.mark.downloads
 @pytest.mark.parametrize("switch", ["force", None])
 def test_repair_honours_force_on_a_fixed_bitsandbytes(switch: str | None) -> None:
     env = environment(switch, PYTHONPATH=str(pip_target("bitsandbytes==0.50.2")))
-    out = json.loads(run_python(["-c", REPAIR_FORCE], env=env).stdout.splitlines()[-1])
+    out = run_code(REPAIR_FORCE, prelude="scenarios", env=env).last_json
     assert out["bitsandbytes"] == "0.50.2" and out["stuck"] == 1
     if switch == "force":
         assert out["repaired"] == 1 and out["after"] == 0  # the gate heals the Ctrl-C

@@ -6,13 +6,10 @@ pair). The rule: where the control runs, the fixed run runs too, and ends no wor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from conftest import AFFECTED, FIX, SCENARIOS, run_code, run_python
-
-PRELUDE = f"import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})\n"
 
 # --- fork -----------------------------------------------------------------------------------------
 
@@ -40,9 +37,7 @@ def test_a_forked_child_never_blocks_and_holds_only_its_own_threads_holds() -> N
 
 # --- hook order -----------------------------------------------------------------------------------
 
-ORDER = (
-    PRELUDE
-    + """
+ORDER = """
 import torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
@@ -64,12 +59,11 @@ for when in ("before", "between", "after"):
 module(torch.randn(2, 64))
 print(json.dumps(seen))
 """
-)
 
 
 def test_other_hooks_run_where_they_ran_relative_to_the_cache_switching() -> None:
-    fixed = json.loads(run_code(ORDER, switch=FIX).stdout.splitlines()[-1])
-    control = json.loads(run_code(ORDER, switch="0").stdout.splitlines()[-1])
+    fixed = run_code(ORDER, prelude="scenarios", switch=FIX).last_json
+    control = run_code(ORDER, prelude="scenarios", switch="0").last_json
     assert fixed == control
     assert control == [
         ["pre-hook before", False],
@@ -81,9 +75,7 @@ def test_other_hooks_run_where_they_ran_relative_to_the_cache_switching() -> Non
     ]
 
 
-MONITOR = (
-    PRELUDE
-    + """
+MONITOR = """
 import torch
 from torch.nn.utils.parametrizations import weight_norm
 import quantized
@@ -113,20 +105,17 @@ for step in range(2):
     optimizer.step(); optimizer.zero_grad()
 print(json.dumps({"trained": not torch.equal(before, original.detach()), "monitored": len(norms)}))
 """
-)
 
 
 def test_a_monitoring_pre_hook_registered_before_quantizing_leaves_weight_norm_training() -> None:
-    fixed = json.loads(run_code(MONITOR, switch=FIX).stdout.splitlines()[-1])
-    control = json.loads(run_code(MONITOR, switch="0").stdout.splitlines()[-1])
+    fixed = run_code(MONITOR, prelude="scenarios", switch=FIX).last_json
+    control = run_code(MONITOR, prelude="scenarios", switch="0").last_json
     assert control == fixed == {"trained": True, "monitored": 2}
 
 
 # --- pickles --------------------------------------------------------------------------------------
 
-SAVE = (
-    PRELUDE
-    + """
+SAVE = """
 import torch
 import torch.nn.utils.parametrize as P
 import quantized
@@ -136,7 +125,6 @@ for name in module.names:  # export float weights: the hooks stay on the module
     P.remove_parametrizations(module, name, leave_parametrized=True)
 torch.save(module, sys.argv[1])
 """
-)
 
 # Loading where bnb-gc-fix is not installed: its package cannot be imported at all.
 NOT_INSTALLED = """
@@ -149,9 +137,7 @@ class NotInstalled:
 sys.meta_path.insert(0, NotInstalled())
 """
 
-LOAD = (
-    PRELUDE
-    + """
+LOAD = """
 import torch
 from torch.utils.checkpoint import checkpoint
 import quantized
@@ -165,17 +151,17 @@ for step in range(3):
 hooks = sorted({getattr(h, "__module__", "?") for h in module._forward_pre_hooks.values()})
 print(json.dumps({"counters": counters, "hooks": hooks, "fix": "bnb_gc_fix" in sys.modules}))
 """
-)
 
 
 def _save(path: Path, switch: str | None) -> Path:
-    run_code(SAVE.replace("sys.argv[1]", repr(str(path))), switch=switch)
+    run_code(SAVE, str(path), prelude="scenarios", switch=switch)
     return path
 
 
-def _load(path: Path, switch: str | None, prelude: str = "") -> dict[str, object]:
-    out = run_code(prelude + LOAD.replace("sys.argv[1]", repr(str(path))), switch=switch).stdout
-    return dict(json.loads(out.splitlines()[-1]))
+def _load(path: Path, switch: str | None, before: str = "") -> dict[str, object]:
+    """LOAD on the pickle at ``path``, after the code ``before``."""
+    result = run_code(before + LOAD, str(path), prelude="scenarios", switch=switch)
+    return dict(result.last_json)
 
 
 def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where_it_is_active(
@@ -184,7 +170,7 @@ def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where
     fixed, control = _save(tmp_path / "fixed.pt", FIX), _save(tmp_path / "control.pt", "0")
     # Where bnb-gc-fix is not installed, both load, with bitsandbytes' own pair.
     for path in (fixed, control):
-        loaded = _load(path, "0", prelude=NOT_INSTALLED)
+        loaded = _load(path, "0", before=NOT_INSTALLED)
         assert loaded["fix"] is False and loaded["hooks"] == ["bitsandbytes.nn.parametrize"]
         leaks = loaded["counters"]
         assert isinstance(leaks, list)
@@ -197,9 +183,7 @@ def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where
         assert [str(hook).split(".")[0] for hook in hooks] == ["bnb_gc_fix"]  # one pre-hook: the gate's
 
 
-COPY = (
-    PRELUDE
-    + """
+COPY = """
 import copy, torch
 import quantized, bnb_gc_fix
 module = quantized.make(params=2)
@@ -215,18 +199,15 @@ module(x)
 seen.append(quantized.counter())
 print(json.dumps(seen))
 """
-)
 
 
 def test_a_deep_copy_gets_a_gate_of_its_own() -> None:
-    assert json.loads(run_code(COPY, switch=FIX).stdout.splitlines()[-1]) == [1, 1, 1, 0]
+    assert run_code(COPY, prelude="scenarios", switch=FIX).last_json == [1, 1, 1, 0]
 
 
 # --- other threads ----------------------------------------------------------------------------------
 
-THREADS = (
-    PRELUDE
-    + """
+THREADS = """
 import threading, torch
 import bnb_gc_fix, quantized
 
@@ -267,13 +248,12 @@ holder.join()
 seen.append(quantized.counter())
 print(json.dumps({"counters": seen, "looked": len(looked)}))
 """
-)
 
 
 @pytest.mark.stack
 def test_threads_never_look_at_each_others_stacks_and_heal_only_their_own() -> None:
-    fixed = json.loads(run_code(THREADS, switch=FIX).stdout.splitlines()[-1])
-    control = json.loads(run_code(THREADS, switch="0").stdout.splitlines()[-1])
+    fixed = run_code(THREADS, prelude="scenarios", switch=FIX).last_json
+    control = run_code(THREADS, prelude="scenarios", switch="0").last_json
     assert fixed == {"counters": [1, 1, 1, 0], "looked": 0}
     # The control's pair keeps the interrupted calls' holds (outer and inner chunk) for good.
     assert control["counters"][0] == 1 and control["counters"][-1] == 2

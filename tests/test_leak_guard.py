@@ -48,8 +48,8 @@ print(json.dumps([result, len(caught), "torch" in sys.modules, bnb_gc_fix.reset(
 
 
 def test_guard_after_keyboard_interrupt_reports_what_it_released() -> None:
-    code = f"""
-import sys, json, warnings; sys.path.insert(0, {str(SCENARIOS)!r})
+    code = """
+import warnings
 import torch, bnb_gc_fix, quantized
 module = quantized.make(params=2)
 module.interrupt = KeyboardInterrupt
@@ -63,7 +63,8 @@ with warnings.catch_warnings(record=True) as caught:
 ours = [str(w.message) for w in caught if issubclass(w.category, bnb_gc_fix.CacheLeakWarning)]
 print(json.dumps([quantized.counter(), ours]))
 """
-    counter, warnings = json.loads(run_code(code).stdout)
+    result = run_code(code, prelude="scenarios")
+    counter, warnings = json.loads(result.stdout)
     assert counter == 0
     # One warning, saying how far the counter rose and what was released (the cause sentence is fixed).
     (warning,) = warnings
@@ -81,7 +82,7 @@ def test_trainer_with_leak_guard_callback(callback: bool) -> None:
         [str(SCENARIOS / "trainer.py"), "--callback" if callback else "--no-callback"], switch="0"
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    facts = json.loads(result.stdout.splitlines()[-1])
+    facts = result.last_json
     assert facts["steps"] == 4
     if callback:
         assert facts["counters"] == [0, 0, 0, 0]

@@ -358,7 +358,7 @@ print(json.dumps([imported, bnb_gc_fix.status().cell_end_release, bnb_gc_fix.act
 
 def test_outside_ipython_nothing_is_installed_and_ipython_is_never_imported() -> None:
     result = run_code(OUTSIDE)
-    assert json.loads(result.stdout.splitlines()[-1]) == [False, False, False]
+    assert result.last_json == [False, False, False]
 
 
 @pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)

@@ -7,25 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import BITSANDBYTES, SCENARIOS, WITHOUT_STARTUP_HOOK, run_code, run_python
+from conftest import BITSANDBYTES, WITHOUT_STARTUP_HOOK, run_code, run_python
 
 # --- status reads as protection -----------------------------------------------------------------
 
 # One interpreter walks a user's script: status at the top, after `import bitsandbytes`, after the
 # model is quantized, after a leaking step with the fix switched off, and back on. The INFO log
 # line is checked in the same run (the package's one INFO line when it patches).
-STATES = (
-    WITHOUT_STARTUP_HOOK
-    + f"""
-import json, logging, sys
-sys.path.insert(0, {str(SCENARIOS)!r})
+STATES = """
+import logging
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s: %(message)s")
 import bnb_gc_fix
 def show():
     s = bnb_gc_fix.status()
     return dict(state=s.state, active=s.active, counter=s.counter, cache_bytes=s.cache_bytes,
                 reason=s.reason, torch_imported="torch" in sys.modules)
-seen = {{"top": show()}}
+seen = {"top": show()}
 import bitsandbytes
 seen["after import bitsandbytes"] = show()
 import torch
@@ -45,11 +42,10 @@ bnb_gc_fix.activate()
 seen["on again"] = show()
 print("STATES " + json.dumps(seen))
 """
-)
 
 
 def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
-    result = run_code(STATES)
+    result = run_code(STATES, prelude="scenarios-without-startup-hook")
     seen = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("STATES "))[7:])
     top = seen["top"]
     assert top["state"] == "armed" and top["active"] is False  # `active` keeps its meaning

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SCENARIOS, environment, pip_target, run_python, tiny_olmoe
+from conftest import environment, pip_target, run_code, run_python, tiny_olmoe
 
 pytestmark = pytest.mark.downloads
 
@@ -45,9 +45,8 @@ def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> Non
         "print(json.dumps([bitsandbytes.__version__, s.active, s.bitsandbytes.affected,"
         " type(parametrize._register_parametrization_hooks) is not types.FunctionType]))\n"
     )
-    result = run_python(["-c", code], env=_env(bnb_050, "on"))
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout.splitlines()[-1]) == [VERSION, False, False, False]
+    result = run_code(code, env=_env(bnb_050, "on"))
+    assert result.last_json == [VERSION, False, False, False]
     assert "LOG bnb_gc_fix: nothing needed patching" in result.stdout
 
 
@@ -61,8 +60,7 @@ def test_status_json_on_upstream_fixed(bnb_050: Path) -> None:
     assert "upstream fix" in facts["reason"]
 
 
-INTERRUPT = f"""
-import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+INTERRUPT = """
 import torch, quantized
 import bnb_gc_fix
 module = quantized.make(params=2)
@@ -73,15 +71,13 @@ print(json.dumps([bnb_gc_fix.status().active, stuck, quantized.counter()]))
 
 
 def test_keyboard_interrupt_leaks_even_upstream_control(bnb_050: Path) -> None:
-    result = run_python(["-c", INTERRUPT], env=_env(bnb_050))
-    assert result.returncode == 0, result.stderr
+    result = run_code(INTERRUPT, prelude="scenarios", env=_env(bnb_050))
     active, stuck, after = json.loads(result.stdout)
     assert active is False and stuck == 2 and after == 2  # upstream's always_call cannot see Ctrl-C
 
 
 def test_force_patches_upstream_too_and_heals_keyboard_interrupt(bnb_050: Path) -> None:
-    result = run_python(["-c", INTERRUPT], env=_env(bnb_050, "force"))
-    assert result.returncode == 0, result.stderr
+    result = run_code(INTERRUPT, prelude="scenarios", env=_env(bnb_050, "force"))
     assert json.loads(result.stdout) == [True, 1, 0]
 
 
@@ -93,8 +89,7 @@ def test_force_status_reason_says_why(bnb_050: Path) -> None:
     assert "BNB_GC_FIX=force" in facts["reason"]
 
 
-REPAIR = f"""
-import sys, json; sys.path.insert(0, {str(SCENARIOS)!r})
+REPAIR = """
 import quantized, bnb_gc_fix
 module = quantized.make(params=2)
 count = lambda: (len(module._forward_pre_hooks), len(module._forward_hooks_always_called))
@@ -107,8 +102,7 @@ print(json.dumps([pairs, fixed, count()]))
 def test_repair_leaves_upstream_always_called_pairs_alone(bnb_050: Path) -> None:
     # What BNB_GC_FIX=force does instead (the gate replaces them, and heals a Ctrl-C):
     # test_hostile_hosts.py::test_repair_honours_force_on_a_fixed_bitsandbytes.
-    result = run_python(["-c", REPAIR], env=_env(bnb_050))
-    assert result.returncode == 0, result.stderr
+    result = run_code(REPAIR, prelude="scenarios", env=_env(bnb_050))
     pairs, fixed, untouched = json.loads(result.stdout)
     assert pairs == [2, 2]  # upstream's pair per parameter, its disable hook always-called
     assert fixed == 0 and untouched == [2, 2]  # already right: not replaced, not counted

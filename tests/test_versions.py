@@ -38,6 +38,7 @@ from conftest import (
     SCENARIOS,
     TORCH,
     TRANSFORMERS,
+    run_code,
     run_python,
 )
 from packaging.version import Version
@@ -187,9 +188,7 @@ PROBE = textwrap.dedent(
 
 @probes
 def test_import_is_clean_and_the_fix_stays_off(record_property: Any) -> None:
-    result = run_python(["-c", PROBE])
-    assert result.returncode == 0, result.stderr
-    probe = json.loads(result.stdout.splitlines()[-1])
+    probe = run_code(PROBE).last_json
     record_property("kind", json.dumps(KIND))
     assert probe["warnings"] == [] and probe["active"] is False, probe
     if KIND == "no-bitsandbytes":  # a real absence: neither importable nor known to importlib.metadata

@@ -64,3 +64,11 @@ def counter() -> int:
     import torch.nn.utils.parametrize as P
 
     return int(P._cache_enabled)
+
+
+def reset() -> None:
+    """Put torch's counter back to 0 and empty its cache, as a fresh interpreter has them."""
+    import torch.nn.utils.parametrize as P
+
+    P._cache_enabled = 0
+    P._cache = {}

@@ -1,0 +1,142 @@
+"""Finding the plain cache pairs on a module, and putting a gate in their place.
+
+A plain pair is a forward pre-hook that switches torch's parametrization cache on and a forward hook
+that switches it off, registered by bitsandbytes or by a copy of its code (axolotl's). They are known
+by their functions' names (:data:`_bnb_gc_fix_vocabulary.LIBRARIES`), wrapped or not. The gate's hooks
+(:mod:`bnb_gc_fix.gate`) take the places of the first enable hook and the last disable hook, so every
+other hook runs in the order it did, and the others of the pairs are dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import _bnb_gc_fix_vocabulary as vocabulary
+from bnb_gc_fix import gate
+
+_ENABLE_NAMES = frozenset(library.enable_hook for library in vocabulary.LIBRARIES)
+_DISABLE_NAMES = frozenset(library.disable_hook for library in vocabulary.LIBRARIES)
+_DISABLE_OF = {library.enable_hook: library.disable_hook for library in vocabulary.LIBRARIES}
+
+
+def _is_ours(hook: object) -> bool:
+    return isinstance(hook, (gate.EnterHook, gate.LeaveHook))
+
+
+def _named(hook: object, names: frozenset[str]) -> bool:
+    """Whether ``hook`` is a function of one of ``names`` (or a wrapt wrapper of one), not ours."""
+    return getattr(hook, "__name__", None) in names and not _is_ours(hook)
+
+
+@dataclass(frozen=True)
+class CacheHooks:
+    """The plain cache hooks on one module: their keys in its hook dictionaries, in order."""
+
+    enables: list[int]
+    disables: list[int]
+    always_called: bool  # there are disable hooks, and every one runs even when the forward raises
+
+    @property
+    def right(self) -> bool:
+        """Every enable hook has an always-called disable hook: bitsandbytes 0.50's pair."""
+        return self.always_called and len(self.disables) == len(self.enables)
+
+
+def cache_hooks(module: torch.nn.Module) -> CacheHooks:
+    """The module's enable pre-hooks and disable forward hooks that are not ours."""
+    enables = [key for key, hook in module._forward_pre_hooks.items() if _named(hook, _ENABLE_NAMES)]
+    disables = [key for key, hook in module._forward_hooks.items() if _named(hook, _DISABLE_NAMES)]
+    always = module._forward_hooks_always_called
+    always_called = bool(disables) and all(key in always for key in disables)
+    return CacheHooks(enables=enables, disables=disables, always_called=always_called)
+
+
+class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
+    """``_forward_hooks_always_called``, pickled without the gate's entry where the old pair was plain,
+    so that a module pickled with the gate loads as the pair it had."""
+
+    __slots__ = ("plain",)
+
+    def __init__(self, items: Any = (), plain: frozenset[int] = frozenset()) -> None:
+        super().__init__(items)
+        self.plain = plain
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kept = [(key, value) for key, value in self.items() if key not in self.plain]
+        return (collections.OrderedDict, (kept,))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
+        return _AlwaysCalled(self.items(), self.plain)
+
+
+def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
+    """Put ``hook`` where the first (or the last) of ``keys`` is in ``hooks``, drop the others of
+    ``keys``, and return the key kept."""
+    in_order = [key for key in hooks if key in keys]
+    kept = in_order[0] if first else in_order[-1]
+    for key in in_order:
+        if key != kept:
+            del hooks[key]
+    hooks[kept] = hook  # assigning to an existing key keeps its place
+    return kept
+
+
+def _reference(function: object) -> str:
+    """``"module:qualified name"`` of a hook function, for ``pkgutil.resolve_name``."""
+    return f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
+
+
+def _gate_hooks(module: torch.nn.Module, enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
+    """The module's own gate's hooks if it has a gate, else a new gate's, standing in for ``enable``
+    and for its library's disable function."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, gate.EnterHook):
+            for other in module._forward_hooks.values():
+                if isinstance(other, gate.LeaveHook) and other.gate is hook.gate:
+                    return hook, other
+    enable_reference = _reference(enable)
+    origin = enable_reference.split(":")[0]
+    disable_name = _DISABLE_OF.get(getattr(enable, "__name__", ""), vocabulary.BITSANDBYTES.disable_hook)
+    return gate.new_hooks(enable_reference, f"{origin}:{disable_name}")
+
+
+def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
+    """Replace every plain cache pair on ``module`` with its one gate, in the pairs' places.
+
+    Returns whether the module changed. A module without an enable hook is left alone, and so is one
+    whose pairs are right (bitsandbytes 0.50) unless ``replace_always_called`` (``BNB_GC_FIX=force``).
+    """
+    found = cache_hooks(module)
+    if not found.enables:
+        return False
+    if found.right and not replace_always_called:
+        return False
+    pre_hooks = module._forward_pre_hooks
+    post_hooks = module._forward_hooks
+    enter, leave = _gate_hooks(module, pre_hooks[found.enables[0]])
+
+    ours_before = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
+    _take_place(pre_hooks, ours_before + found.enables, enter, first=True)
+    for key in found.enables + ours_before:
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+    always = module._forward_hooks_always_called
+    if not isinstance(always, _AlwaysCalled):
+        always = _AlwaysCalled(always.items())
+        module._forward_hooks_always_called = always
+    plain = {key for key in found.disables if key not in always} | always.plain
+    ours_after = [key for key, hook in post_hooks.items() if _is_ours(hook)]
+    if found.disables or ours_after:
+        kept = _take_place(post_hooks, ours_after + found.disables, leave, first=False)
+    else:  # an enable hook alone: the gate still needs its forward hook
+        kept = module.register_forward_hook(leave).id
+    for key in found.disables + ours_after:
+        module._forward_hooks_with_kwargs.pop(key, None)
+        always.pop(key, None)
+    always[kept] = True
+    always.plain = frozenset(plain & {kept})
+    return True
