@@ -7,7 +7,7 @@ that alternates every round, so drift and noise from other processes hit them al
 Case 1, hooks alone: a module whose forward returns its input, so the hooks are nearly all
 the work. Configurations: no hooks (floor), bitsandbytes' plain pair (``_register_parametrization_hooks``
 as shipped by 0.49), upstream 0.50's pair (``always_call=True``, clamped), and this package's
-gate (the plain pair, then ``bnb_gc_fix.gate.install``). Goal: gate / plain <= 1.10.
+gate (the plain pair, then ``bnb_gc_fix.hooks.install``). Goal: gate / plain <= 1.10.
 
 Case 1b, the same with two parameters: two plain pairs (what bitsandbytes registers for a
 module with two quantized parameters) against one gate, still with a trivial forward.
@@ -61,10 +61,10 @@ def _plain_register() -> Callable[..., None]:
     """bitsandbytes' own ``_register_parametrization_hooks`` (unpatched if the start-up hook patched it)."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
-    from bnb_gc_fix import patch
+    from bnb_gc_fix import patch, targets
 
-    if patch.is_applied(bnb_parametrize):
-        patch.remove(bnb_parametrize)
+    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
+        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
     register: Callable[..., None] = bnb_parametrize._register_parametrization_hooks
     return register
 
@@ -112,13 +112,13 @@ def _passthrough(parameters: tuple[str, ...]) -> Any:
 
 
 def _registered(register: Callable[..., None], parameters: tuple[str, ...], gated: bool = False) -> Any:
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import hooks
 
     module = _passthrough(parameters)
     for name in parameters:
         register(module, name)
     if gated:
-        assert gate.install(module) and len(module._forward_pre_hooks) == 1
+        assert hooks.install(module) and len(module._forward_pre_hooks) == 1
     return module
 
 
@@ -187,13 +187,13 @@ def two_quantized(calls: int, rounds: int, numel: int) -> dict[str, Any]:
     """Case 2: two 4-bit parameters; two modules per configuration, so module-to-module noise shows."""
     import torch
 
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import hooks
 
     _plain_register()
     modules = {name: _two_quantized_module(numel) for name in ("plain A", "gate A", "plain B", "gate B")}
     for name, module in modules.items():
         if name.startswith("gate"):
-            assert gate.install(module) and len(module._forward_pre_hooks) == 1
+            assert hooks.install(module) and len(module._forward_pre_hooks) == 1
         else:
             assert len(module._forward_pre_hooks) == 2 and len(module._forward_hooks) == 2
     x = torch.ones(numel)
@@ -239,11 +239,14 @@ def hooks_direct(calls: int, rounds: int) -> dict[str, Any]:
     disable = bnb_parametrize._disable_parametrization_cache
     disable = getattr(disable, "__wrapped__", disable)
     _, upstream_disable = common.upstream_hooks()
-    the_gate = gate.Gate()
+    enter, leave = gate.new_hooks(
+        "bitsandbytes.nn.parametrize:_enable_parametrization_cache",
+        "bitsandbytes.nn.parametrize:_disable_parametrization_cache",
+    )
     pairs = {
         "plain enable+disable": (enable, disable),
         "upstream enable+disable": (enable, upstream_disable),
-        "gate enter+exit": (the_gate._enable_parametrization_cache, the_gate._disable_parametrization_cache),
+        "gate enter+exit": (enter, leave),
     }
     module = torch.nn.Module()
     args = (torch.zeros(1),)
@@ -267,12 +270,12 @@ def _quantized(module: Any, gated: bool) -> Any:
     """``module`` with its ``weight`` quantized (nf4), with the gate or bitsandbytes' plain pair."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import gate, hooks
 
     bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
     if gated:
-        assert gate.install(module)
-    assert (gate.gate_of(module) is not None) is gated
+        assert hooks.install(module)
+    assert (gate.Gate.of(module) is not None) is gated
     return module.requires_grad_(False)
 
 

@@ -5,7 +5,7 @@ A module with one parameter quantized by ``replace_parameter_4bit`` (nf4) whose 
 recursively to depth D (D = 3, 10, 100, 500: D + 1 calls of the module on the stack), every call using the
 weight before and after its self-call (a cache emptied by a nested call shows as extra dequantizations).
 Three models in one process, built by hand with ``BNB_GC_FIX=0`` as in hotpath.py: bitsandbytes' own
-plain pair (the control), the gate (the plain pair, then ``bnb_gc_fix.gate.install``), and a second plain
+plain pair (the control), the gate (the plain pair, then ``bnb_gc_fix.hooks.install``), and a second plain
 model (the noise floor).
 Blocks of no-grad calls, order alternating every round, garbage collector off during blocks, torch on
 1 thread; the figure is the median over rounds of the CPU time (``time.process_time_ns``) of a gate block
@@ -67,10 +67,10 @@ def unpatched_bitsandbytes() -> None:
     """bitsandbytes' own hooks: undo the patch if the start-up hook applied it before we could stop it."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
-    from bnb_gc_fix import patch
+    from bnb_gc_fix import patch, targets
 
-    if patch.is_applied(bnb_parametrize):
-        patch.remove(bnb_parametrize)
+    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
+        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
 
 
 def build(gated: bool) -> Any:
@@ -80,7 +80,7 @@ def build(gated: bool) -> Any:
     import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
 
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import gate, hooks
 
     class Nested(torch.nn.Module):
         def __init__(self) -> None:
@@ -98,8 +98,8 @@ def build(gated: bool) -> Any:
     module = Nested()
     bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
     if gated:
-        assert gate.install(module)
-    assert (gate.gate_of(module) is not None) is gated
+        assert hooks.install(module)
+    assert (gate.Gate.of(module) is not None) is gated
     return module
 
 
