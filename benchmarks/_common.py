@@ -1,14 +1,12 @@
-"""What the memory benchmarks share: their configurations, upstream's fix, the tiny OLMoE, cache
-accounting. The measuring (rounds, ratios, results) is ``_harness.py``'s.
-
-Not a test helper and not part of the package: the scripts in this folder import it by path
-(``python benchmarks/<script>.py`` puts this folder first on ``sys.path``).
+"""What the benchmarks share besides the measuring (``_harness.py``): the configurations and upstream's
+fix, a worker's training step and its evidence, the tiny OLMoE, hand-built plain pairs and gates.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -82,14 +80,84 @@ def apply_upstream_fix() -> None:
     bnb_parametrize._register_parametrization_hooks = register
 
 
-def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
-    """The tests' tiny OLMoE (``tests/scenarios/tiny_olmoe.py``): fused experts quantized to 4 bits,
-    only the router gates trainable, built on ``device`` before quantizing."""
-    sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
-    from tiny_olmoe import build
+def start(config: str, threads: int | None) -> None:
+    """A worker's first act: the configuration's fix (the package's import, or upstream's hooks)."""
+    if config == PACKAGE:
+        import bnb_gc_fix  # noqa: F401  (the import activates the fix)
+    import torch
 
-    model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
-    return model
+    if threads:
+        torch.set_num_threads(threads)
+    if config == UPSTREAM:
+        apply_upstream_fix()
+
+
+def fix_state(config: str) -> dict[str, Any]:
+    """Evidence that a worker runs the configuration it claims to run (SystemExit where it does not)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    register = bnb_parametrize._register_parametrization_hooks
+    state: dict[str, Any] = {
+        "bnb_gc_fix_imported": "bnb_gc_fix" in sys.modules,
+        "register_hooks": type(register).__name__,
+        "register_hooks_module": getattr(register, "__module__", None),
+    }
+    if "bnb_gc_fix" in sys.modules:
+        status = sys.modules["bnb_gc_fix"].status()
+        state["active"] = status.active
+        state["reason"] = status.reason
+    if config == PACKAGE and not state.get("active"):
+        raise SystemExit(f"bnb-gc-fix is not active in the {config} worker: {state}")
+    if config != PACKAGE and state["bnb_gc_fix_imported"]:
+        raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
+    return state
+
+
+def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[Any, Any, list[Any]]:
+    """The report's loop around ``model``: (AdamW over its trainable parameters, fixed random input ids,
+    those parameters)."""
+    import torch
+
+    model.config.use_cache = False
+    model.train()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+    return optimizer, ids, trainable
+
+
+def train_step(model: Any, ids: Any, optimizer: Any, step: int, cuda: bool) -> dict[str, Any]:
+    """One training step, timed, and what it left behind: torch's cache, resident memory (and CUDA's)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    counter, entries, cached = cache_state()
+    status = proc_status()
+    record: dict[str, Any] = {
+        "step": step,
+        "step_s": elapsed,
+        "loss": float(loss.item()),
+        "counter": counter,
+        "cache_entries": entries,
+        "cache_bytes": cached,
+        "rss_bytes": status.get("VmRSS"),
+        "peak_rss_bytes": status.get("VmHWM"),
+    }
+    if cuda:
+        record["allocated_bytes"] = torch.cuda.memory_allocated()
+        record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return record
 
 
 def cache_state() -> tuple[int, int, int]:
@@ -104,11 +172,53 @@ def cache_state() -> tuple[int, int, int]:
     return int(P._cache_enabled), len(P._cache), held
 
 
-def rss_bytes() -> int | None:
-    """Resident set size of this process (Linux), or None where /proc is not available."""
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (bytes) of a process, from /proc; empty where there is no /proc."""
+    found: dict[str, int] = {}
     try:
-        with open("/proc/self/statm") as statm:
-            pages = int(statm.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
+    """The tests' tiny OLMoE (``tests/scenarios/tiny_olmoe.py``): fused experts quantized to 4 bits,
+    only the router gates trainable, built on ``device`` before quantizing."""
+    sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
+    from tiny_olmoe import build
+
+    model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
+    return model
+
+
+def unpatched_bitsandbytes() -> Callable[..., None]:
+    """bitsandbytes' own ``_register_parametrization_hooks``, the patch removed if the start-up hook
+    applied it (the scripts that build plain pairs and gates by hand set ``BNB_GC_FIX=0`` first)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    from bnb_gc_fix import patch, targets
+
+    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
+        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
+    register: Callable[..., None] = bnb_parametrize._register_parametrization_hooks
+    return register
+
+
+def quantized(module: Any, gated: bool, names: tuple[str, ...] = ("weight",)) -> Any:
+    """``module`` with ``names`` quantized by ``replace_parameter_4bit`` (nf4): a plain pair each, or with
+    ``gated`` one gate in their place (``bnb_gc_fix.hooks.install``)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    from bnb_gc_fix import gate, hooks
+
+    for name in names:
+        bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4")
+    if gated:
+        assert hooks.install(module)
+    assert (gate.Gate.of(module) is not None) is gated
+    return module.requires_grad_(False)

@@ -1,14 +1,7 @@
-"""The benchmarks' shared harness: alternating rounds, ratios with their spread, the noise floor, the
-"no measurable difference" rule, machine facts, and result writing (JSON and Markdown).
-
-How to read a ratio (benchmarks/README.md): the median over rounds of (time / the baseline's time in the
-same round), with the interquartile range of those per-round ratios. Where a second, identically built
-baseline was timed beside the others (the noise floor), a ratio whose median lies inside the floor's
-interquartile range is "no measurable difference"; with no floor, the same holds when the ratio's own
-interquartile range contains 1.
-
-Not part of the package: the scripts import it by path (``python benchmarks/<script>.py`` puts this folder
-first on ``sys.path``).
+"""The benchmarks' shared harness: alternating rounds, ratios with their spread, the noise floor and the
+"no measurable difference" rule (benchmarks/README.md, "How to read a ratio"), worker processes, machine
+facts, and the result files. The scripts import it by path (``python benchmarks/<script>.py`` puts this
+folder first on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -17,10 +10,13 @@ import gc
 import json
 import os
 import platform
+import queue
 import statistics
+import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -212,6 +208,79 @@ def message_of(line: str) -> dict[str, Any] | None:
     return message
 
 
+def commands() -> Iterator[dict[str, Any]]:
+    """A worker's side: the driver's commands (``Worker.send``), one JSON line each on stdin."""
+    for line in sys.stdin:
+        yield json.loads(line)
+
+
+def worker_command(script: Path, options: dict[str, Any]) -> list[str]:
+    """``python script --option value ...``: True gives the flag alone, False or None leaves it out, and a
+    list gives its values one after the other."""
+    command = [sys.executable, str(script)]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        command.append("--" + name.replace("_", "-"))
+        if isinstance(value, list | tuple):
+            command += [str(item) for item in value]
+        elif value is not True:
+            command.append(str(value))
+    return command
+
+
+class Worker:
+    """A fresh interpreter running ``command`` from the repository root; a thread reads its messages."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            message = message_of(line)
+            if message is not None:
+                self.inbox.put(message)
+        self.inbox.put(None)  # its stdout closed
+
+    def send(self, command: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        """The next message, waiting for it; SystemExit if the worker ended first."""
+        message = self.inbox.get()
+        if message is None:
+            code = self.process.wait()
+            raise SystemExit(f"the {self.name} worker exited with status {code} (its stderr is above)")
+        return message
+
+    def received(self) -> list[dict[str, Any]]:
+        """The messages that arrived since the last look, without waiting."""
+        found = []
+        while not self.inbox.empty():
+            message = self.inbox.get()
+            if message is not None:
+                found.append(message)
+        return found
+
+    def close(self) -> None:
+        """Ask it to quit (``{"cmd": "quit"}``); kill it if it has not within a minute."""
+        if self.process.poll() is None:
+            try:
+                self.send({"cmd": "quit"})
+                self.process.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+
+
 # --------------------------------------------------------------------------- machine facts
 
 
@@ -285,9 +354,9 @@ def write_results(output: Path, result: dict[str, Any], text: str) -> None:
     print(text)
 
 
-def table(header: list[str], rows: list[list[str]], right: int = 1) -> list[str]:
-    """A Markdown table; every column from index ``right`` on is right-aligned."""
-    rule = "|" + "|".join("---" if index < right else "---:" for index in range(len(header))) + "|"
+def table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """A Markdown table; the columns at the indices ``left`` are left-aligned, the others right-aligned."""
+    rule = "|" + "|".join("---" if index in left else "---:" for index in range(len(header))) + "|"
     return [_row(header), rule, *(_row(row) for row in rows)]
 
 
