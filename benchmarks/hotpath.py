@@ -1,38 +1,7 @@
-"""Hot-path benchmark: what one forward costs with the gate instead of bitsandbytes' plain pair.
-
-Same process, same module class, alternating timed blocks; the figure is the median over
-rounds of the per-round ratio (the configurations of a round run back to back, in an order
-that alternates every round, so drift and noise from other processes hit them alike).
-
-Case 1, hooks alone: a module whose forward returns its input, so the hooks are nearly all
-the work. Configurations: no hooks (floor), bitsandbytes' plain pair (``_register_parametrization_hooks``
-as shipped by 0.49), upstream 0.50's pair (``always_call=True``, clamped), and this package's
-gate (the plain pair, then ``bnb_gc_fix.hooks.install``). Goal: gate / plain <= 1.10.
-
-Case 1b, the same with two parameters: two plain pairs (what bitsandbytes registers for a
-module with two quantized parameters) against one gate, still with a trivial forward.
-
-Case 2, two quantized parameters: a module with two parameters quantized by
-``replace_parameter_4bit`` whose forward uses both, so bitsandbytes registers two plain pairs
-where the package has one gate. Goal: gate / plain <= 1.00. On CPU bitsandbytes' dequantization
-(hundreds of µs per call) dwarfs the hooks, so this ratio is 1.00 within noise; case 1b shows
-the hooks' share.
-
-Case 3, the hooks called directly (no module call): the pre-hook and the forward hook of each
-configuration, called back to back; shows the cost of the hook bodies themselves.
-
-Case 4, threads: one 6-layer model of 4-bit experts served by 8 threads at once (a thread pool in
-an inference server), no-grad forwards; and the same with 1 thread. Wall time of a block in which
-every thread runs its forwards, plain pairs against gates. Goal <= 1.05.
-
-Case 5, self-calls: a 4-bit module that splits its batch by calling itself (128 chunks a forward),
-called under 100 caller frames. Goal <= 1.05.
-
-Cases 4 and 5 time a second, identically built plain configuration beside the others: its ratio to
-the first is the noise floor of the case.
-
-The script runs with ``BNB_GC_FIX=0`` so that bitsandbytes stays unpatched and every
-configuration is built explicitly.
+"""Hot-path benchmark: what one forward costs with the gate instead of bitsandbytes' plain pair, in seven
+cases (hooks alone, two parameters, two 4-bit parameters, the hook bodies, 8 threads and 1, self-calls);
+each case and its goal: benchmarks/README.md, "Hot path". Runs with ``BNB_GC_FIX=0``: every configuration
+is built by hand.
 
     python benchmarks/hotpath.py            # writes results/hotpath.json
     python benchmarks/hotpath.py --quick    # fewer rounds (smoke run)
@@ -49,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +26,15 @@ import _common as common
 import _harness as harness
 from _harness import Timed, loop
 
-
-def _plain_register() -> Callable[..., None]:
-    """bitsandbytes' own ``_register_parametrization_hooks`` (unpatched if the start-up hook patched it)."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-
-    from bnb_gc_fix import patch, targets
-
-    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
-        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
-    register: Callable[..., None] = bnb_parametrize._register_parametrization_hooks
-    return register
-
-
-def _bound(module: Callable[[Any], Any], x: Any) -> Callable[[], Any]:
-    """A no-argument call of ``module(x)``."""
-
-    def call() -> Any:
-        return module(x)
-
-    return call
+PLAIN = "plain pair (bnb 0.49)"
+GATE = "gate (bnb-gc-fix)"
 
 
 def _goal(
     result: dict[str, Any], name: str, label: str, goal: float, floor: str | None = None
 ) -> dict[str, Any]:
-    """Add the case's figure (``name``'s ratio), its goal, whether it is met, and how it reads (the floor's
-    interquartile range, or with no floor 1, against the ratio)."""
+    """Add the case's figure (``name``'s ratio), its goal, whether it is met, and how it reads (against the
+    noise floor ``floor``, or with none against 1)."""
     by_round = result["ns_per_call_by_round"]
     baseline = by_round[result["baseline"]]
     comparison = harness.compare(
@@ -93,6 +45,14 @@ def _goal(
     result["met"] = comparison.met
     result["result"] = comparison.verdict
     return result
+
+
+def _same_outputs(modules: dict[str, Any], x: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        outputs = [module(x) for module in modules.values()]
+    assert all(torch.equal(outputs[0], output) for output in outputs)
 
 
 def _passthrough(parameters: tuple[str, ...]) -> Any:
@@ -126,45 +86,44 @@ def hooks_alone(calls: int, rounds: int) -> dict[str, Any]:
     """Case 1: no hooks, the plain pair, upstream 0.50's pair and the gate on a passthrough module."""
     import torch
 
-    register_plain = _plain_register()
+    register_plain = common.unpatched_bitsandbytes()
     register_upstream, _ = common.upstream_hooks()
     modules = {
         "no hooks": _passthrough(("weight",)),
-        "plain pair (bnb 0.49)": _registered(register_plain, ("weight",)),
+        PLAIN: _registered(register_plain, ("weight",)),
         "upstream 0.50 pair": _registered(register_upstream, ("weight",)),
-        "gate (bnb-gc-fix)": _registered(register_plain, ("weight",), gated=True),
+        GATE: _registered(register_plain, ("weight",), gated=True),
     }
     x = torch.zeros(1)
-    configs = {name: loop(_bound(module, x)) for name, module in modules.items()}
-    result = harness.blocks(configs, calls, rounds, baseline="plain pair (bnb 0.49)")
+    result = harness.blocks(
+        {name: loop(partial(module, x)) for name, module in modules.items()}, calls, rounds, PLAIN
+    )
     median = result["median_ns_per_call"]
-    floor = median["no hooks"]
-    result["hook_overhead_ns"] = {name: value - floor for name, value in median.items() if name != "no hooks"}
-    gate_overhead = median["gate (bnb-gc-fix)"] - floor
-    result["hook_overhead_ratio_gate_over_plain"] = gate_overhead / (median["plain pair (bnb 0.49)"] - floor)
-    return _goal(result, "gate (bnb-gc-fix)", "gate / plain pair", 1.10)
+    overhead = {name: value - median["no hooks"] for name, value in median.items() if name != "no hooks"}
+    result["hook_overhead_ns"] = overhead
+    result["hook_overhead_ratio_gate_over_plain"] = overhead[GATE] / overhead[PLAIN]
+    return _goal(result, GATE, "gate / plain pair", 1.10)
 
 
 def two_pairs_alone(calls: int, rounds: int) -> dict[str, Any]:
     """Case 1b: two parameters, two plain pairs (what bnb registers) against one gate."""
     import torch
 
-    register_plain = _plain_register()
+    register_plain = common.unpatched_bitsandbytes()
     plain = _registered(register_plain, ("scale", "shift"))
     gated = _registered(register_plain, ("scale", "shift"), gated=True)
     x = torch.zeros(1)
     configs = {
-        "two plain pairs (bnb 0.49)": loop(_bound(plain, x)),
-        "one gate (bnb-gc-fix)": loop(_bound(gated, x)),
+        "two plain pairs (bnb 0.49)": loop(partial(plain, x)),
+        "one gate (bnb-gc-fix)": loop(partial(gated, x)),
     }
     result = harness.blocks(configs, calls, rounds, baseline="two plain pairs (bnb 0.49)")
     result["ratio"] = result["ratio_to_baseline"]["one gate (bnb-gc-fix)"]["median"]
     return result
 
 
-def _two_quantized_module(numel: int) -> Any:
+def _two_quantized_module(numel: int, gated: bool) -> Any:
     """Two parameters quantized by ``replace_parameter_4bit``, both used by the forward."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
 
     class TwoQuantized(torch.nn.Module):
@@ -177,31 +136,24 @@ def _two_quantized_module(numel: int) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.scale + self.shift
 
-    module = TwoQuantized()
-    bnb_parametrize.replace_parameter_4bit(module, "scale", quant_type="nf4")
-    bnb_parametrize.replace_parameter_4bit(module, "shift", quant_type="nf4")
+    module = common.quantized(TwoQuantized(), gated, names=("scale", "shift"))
+    assert len(module._forward_pre_hooks) == (1 if gated else 2)
     return module
 
 
-def two_quantized(calls: int, rounds: int, numel: int) -> dict[str, Any]:
+def two_quantized(calls: int, rounds: int, numel: int = 64) -> dict[str, Any]:
     """Case 2: two 4-bit parameters; two modules per configuration, so module-to-module noise shows."""
     import torch
 
-    from bnb_gc_fix import hooks
-
-    _plain_register()
-    modules = {name: _two_quantized_module(numel) for name in ("plain A", "gate A", "plain B", "gate B")}
-    for name, module in modules.items():
-        if name.startswith("gate"):
-            assert hooks.install(module) and len(module._forward_pre_hooks) == 1
-        else:
-            assert len(module._forward_pre_hooks) == 2 and len(module._forward_hooks) == 2
+    common.unpatched_bitsandbytes()
+    names = ("plain A", "gate A", "plain B", "gate B")
+    modules = {name: _two_quantized_module(numel, gated=name.startswith("gate")) for name in names}
     x = torch.ones(numel)
+    _same_outputs(modules, x)
     with torch.no_grad():
-        outputs = [module(x) for module in modules.values()]
-        assert all(torch.equal(outputs[0], output) for output in outputs)
-        configs = {name: loop(_bound(module, x)) for name, module in modules.items()}
-        raw = harness.blocks(configs, calls, rounds, baseline="plain A")
+        raw = harness.blocks(
+            {name: loop(partial(module, x)) for name, module in modules.items()}, calls, rounds, "plain A"
+        )
     by_round = raw["ns_per_call_by_round"]
     plain_ns = [a + b for a, b in zip(by_round["plain A"], by_round["plain B"])]
     gate_ns = [a + b for a, b in zip(by_round["gate A"], by_round["gate B"])]
@@ -239,14 +191,14 @@ def hooks_direct(calls: int, rounds: int) -> dict[str, Any]:
     disable = bnb_parametrize._disable_parametrization_cache
     disable = getattr(disable, "__wrapped__", disable)
     _, upstream_disable = common.upstream_hooks()
-    enter, leave = gate.new_hooks(
+    gate_enter, gate_leave = gate.new_hooks(
         "bitsandbytes.nn.parametrize:_enable_parametrization_cache",
         "bitsandbytes.nn.parametrize:_disable_parametrization_cache",
     )
     pairs = {
         "plain enable+disable": (enable, disable),
         "upstream enable+disable": (enable, upstream_disable),
-        "gate enter+exit": (enter, leave),
+        "gate enter+exit": (gate_enter, gate_leave),
     }
     module = torch.nn.Module()
     args = (torch.zeros(1),)
@@ -260,23 +212,10 @@ def _hook_pair(
     enter: Callable[..., None], leave: Callable[..., None], module: Any, args: Any
 ) -> Callable[[], None]:
     def call() -> None:
-        enter(module, args)
+        enter(module, args)  # the gate's pre-hook records this frame as its hold's call
         leave(module, args, args[0])
 
     return call
-
-
-def _quantized(module: Any, gated: bool) -> Any:
-    """``module`` with its ``weight`` quantized (nf4), with the gate or bitsandbytes' plain pair."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-
-    from bnb_gc_fix import gate, hooks
-
-    bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
-    if gated:
-        assert hooks.install(module)
-    assert (gate.Gate.of(module) is not None) is gated
-    return module.requires_grad_(False)
 
 
 def experts_model(layers: int, gated: bool) -> Any:
@@ -292,7 +231,7 @@ def experts_model(layers: int, gated: bool) -> Any:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.einsum("td,ehd->th", x, self.weight).tanh()
 
-    model = torch.nn.Sequential(*(_quantized(Experts(), gated) for _ in range(layers)))
+    model = torch.nn.Sequential(*(common.quantized(Experts(), gated) for _ in range(layers)))
     return model.requires_grad_(False)
 
 
@@ -311,7 +250,7 @@ def self_calling(gated: bool, chunks: int) -> Any:
                 return torch.cat([self(chunk, whole=False) for chunk in x.chunk(chunks)])
             return x @ self.weight.t()
 
-    return _quantized(Chunked(), gated)
+    return common.quantized(Chunked(), gated)
 
 
 def _under_frames(depth: int, call: Callable[[], Any]) -> Any:
@@ -329,7 +268,7 @@ def _served(model: Any, x: Any, threads: int) -> Timed:
             barrier.wait()
             with torch.no_grad():
                 for _ in range(n):
-                    _under_frames(30, lambda: model(x))  # a server's call depth
+                    _under_frames(30, partial(model, x))  # a server's call depth
 
         pool = [threading.Thread(target=work) for _ in range(threads)]
         for thread in pool:
@@ -347,61 +286,43 @@ def threads_case(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
     """Case 4: one model served by ``threads`` threads at once, plain pairs against gates."""
     import torch
 
-    _plain_register()
+    common.unpatched_bitsandbytes()
     x = torch.randn(32, 128)
+    floor = "plain pairs, a second model (noise floor)"
     models = {
         "plain pairs (bnb 0.49)": experts_model(6, False),
         "gates (bnb-gc-fix)": experts_model(6, True),
-        "plain pairs, a second model (noise floor)": experts_model(6, False),
+        floor: experts_model(6, False),
     }
     configs = {name: _served(model, x, threads) for name, model in models.items()}
     result = harness.blocks(configs, forwards, rounds, "plain pairs (bnb 0.49)")
-    with torch.no_grad():
-        outputs = [model(x) for model in models.values()]
-    assert all(torch.equal(outputs[0], output) for output in outputs)
+    _same_outputs(models, x)
     result["threads"] = threads
     result["note"] = "wall time of a block in which every thread runs calls_per_block forwards, per forward"
-    return _goal(
-        result,
-        "gates (bnb-gc-fix)",
-        "gates / plain pairs",
-        1.05,
-        floor="plain pairs, a second model (noise floor)",
-    )
+    return _goal(result, "gates (bnb-gc-fix)", "gates / plain pairs", 1.05, floor=floor)
 
 
 def self_calls(calls: int, rounds: int, chunks: int = 128, depth: int = 100) -> dict[str, Any]:
     """Case 5: a module calling itself ``chunks`` times a forward, under ``depth`` caller frames."""
     import torch
 
-    _plain_register()
+    common.unpatched_bitsandbytes()
     x = torch.randn(chunks * 2, 64)
+    floor = "plain pair, a second module (noise floor)"
     modules = {
-        "plain pair (bnb 0.49)": self_calling(False, chunks),
-        "gate (bnb-gc-fix)": self_calling(True, chunks),
-        "plain pair, a second module (noise floor)": self_calling(False, chunks),
+        PLAIN: self_calling(False, chunks),
+        GATE: self_calling(True, chunks),
+        floor: self_calling(False, chunks),
+    }
+    _same_outputs(modules, x)
+    configs = {
+        name: loop(partial(_under_frames, depth, partial(module, x))) for name, module in modules.items()
     }
     with torch.no_grad():
-        outputs = [module(x) for module in modules.values()]
-        assert all(torch.equal(outputs[0], output) for output in outputs)
-        configs = {name: loop(_deep(module, x, depth)) for name, module in modules.items()}
-        result = harness.blocks(configs, calls, rounds, "plain pair (bnb 0.49)")
+        result = harness.blocks(configs, calls, rounds, PLAIN)
     result["chunks"] = chunks
     result["caller_frames"] = depth
-    return _goal(
-        result,
-        "gate (bnb-gc-fix)",
-        "gate / plain pair",
-        1.05,
-        floor="plain pair, a second module (noise floor)",
-    )
-
-
-def _deep(module: Any, x: Any, depth: int) -> Callable[[], Any]:
-    def call() -> Any:
-        return _under_frames(depth, lambda: module(x))
-
-    return call
+    return _goal(result, GATE, "gate / plain pair", 1.05, floor=floor)
 
 
 TITLES = {
@@ -439,8 +360,7 @@ def _case_markdown(title: str, case: dict[str, Any]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     lines = []
     for key, title in TITLES.items():
-        if key in result:
-            lines += _case_markdown(title, result[key])
+        lines += _case_markdown(title, result[key])
     return "\n".join(lines)
 
 
@@ -449,13 +369,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=101)
-    parser.add_argument("--numel", type=int, default=64, help="elements per quantized parameter in case 2")
     parser.add_argument("--quick", action="store_true", help="5 rounds of fewer calls")
     parser.add_argument("--output", type=Path)
-    parser.add_argument("--cases", nargs="+", metavar="CASE", help="only these cases (default: all)")
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
     rounds = 5 if args.quick else args.rounds
+    forwards = 20 // scale or 1
     import torch
 
     torch.set_num_threads(1)
@@ -468,20 +387,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "round, garbage collector off during blocks; ratio = median over rounds of block time / "
             "baseline block time of the same round"
         ),
+        "hooks_alone": hooks_alone(2000 // scale, rounds),
+        "two_pairs_alone": two_pairs_alone(2000 // scale, rounds),
+        "two_quantized": two_quantized(20, 2 * rounds),
+        "hooks_direct": hooks_direct(10000 // scale, rounds),
+        "threads_8": threads_case(8, forwards, rounds),
+        "threads_1": threads_case(1, forwards, rounds),
+        "self_calls": self_calls(forwards, rounds),
     }
-    forwards = 20 // scale or 1
-    cases: dict[str, Callable[[], dict[str, Any]]] = {
-        "hooks_alone": lambda: hooks_alone(2000 // scale, rounds),
-        "two_pairs_alone": lambda: two_pairs_alone(2000 // scale, rounds),
-        "two_quantized": lambda: two_quantized(20, 2 * rounds, args.numel),
-        "hooks_direct": lambda: hooks_direct(10000 // scale, rounds),
-        "threads_8": lambda: threads_case(8, forwards, rounds),
-        "threads_1": lambda: threads_case(1, forwards, rounds),
-        "self_calls": lambda: self_calls(forwards, rounds),
-    }
-    for name, case in cases.items():
-        if not args.cases or name in args.cases:
-            result[name] = case()
     result["wall_s"] = time.perf_counter() - started
     output = harness.output_path("hotpath.json", args.quick, args.output)
     harness.write_results(output, result, markdown(result))

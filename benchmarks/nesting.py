@@ -1,23 +1,7 @@
-"""Nesting benchmark: what the gate costs when a 4-bit module calls itself, and under a wrapped
-``Module._call_impl``.
-
-A module with one parameter quantized by ``replace_parameter_4bit`` (nf4) whose forward calls itself
-recursively to depth D (D = 3, 10, 100, 500: D + 1 calls of the module on the stack), every call using the
-weight before and after its self-call (a cache emptied by a nested call shows as extra dequantizations).
-Three models in one process, built by hand with ``BNB_GC_FIX=0`` as in hotpath.py: bitsandbytes' own
-plain pair (the control), the gate (the plain pair, then ``bnb_gc_fix.hooks.install``), and a second plain
-model (the noise floor).
-Blocks of no-grad calls, order alternating every round, garbage collector off during blocks, torch on
-1 thread; the figure is the median over rounds of the CPU time (``time.process_time_ns``) of a gate block
-over the control block of the same round, with its interquartile range. Every model's dequantizations
-per call are counted (calls of its parametrization's forward, which runs ``dequantize_4bit``): the gate
-must dequantize exactly as often as the control.
-
-Second case: ``torch.nn.Module._call_impl`` replaced, before bnb_gc_fix is imported, by a plain
-``wrapper(*args, **kwargs)`` that calls the original (as tracing and profiling tools do); depth 3, in a
-child interpreter of its own (the wrapper must be in place before the package is imported).
-
-Goal: gate / control <= 1.05 at every depth.
+"""Nesting benchmark: the gate against bitsandbytes' plain pair when a 4-bit module calls itself to depth
+3, 10, 100, 500, and under a wrapped ``Module._call_impl`` (in a child interpreter: the wrapper must be in
+place before bnb_gc_fix is imported); CPU time and dequantizations per call (benchmarks/README.md,
+"Nesting"). Goal: gate / control <= 1.05 at every depth.
 
     python benchmarks/nesting.py            # depths 3 10 100 500, the wrapped case: results/nesting.json, .md
     python benchmarks/nesting.py --quick    # 5 rounds, depths 3 and 10 (results/tmp/)
@@ -34,9 +18,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import _common as common
 import _harness as harness
 
 DEPTHS = (3, 10, 100, 500)
@@ -63,24 +49,11 @@ def wrap_call_impl() -> None:
     torch.nn.Module._call_impl = wrapper
 
 
-def unpatched_bitsandbytes() -> None:
-    """bitsandbytes' own hooks: undo the patch if the start-up hook applied it before we could stop it."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-
-    from bnb_gc_fix import patch, targets
-
-    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
-        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
-
-
 def build(gated: bool) -> Any:
     """A 4-bit module whose forward calls itself ``depth`` times, nested; every call uses the weight before
     and after its self-call (the innermost once), so a cache lost inside a nested call shows as more
     dequantizations: 2 x depth + 1 uses of the weight, one dequantization while the cache holds."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
-
-    from bnb_gc_fix import gate, hooks
 
     class Nested(torch.nn.Module):
         def __init__(self) -> None:
@@ -95,12 +68,7 @@ def build(gated: bool) -> Any:
                 return x
             return torch.tanh(self(x, depth - 1) @ self.weight.t())
 
-    module = Nested()
-    bnb_parametrize.replace_parameter_4bit(module, "weight", quant_type="nf4")
-    if gated:
-        assert hooks.install(module)
-    assert (gate.Gate.of(module) is not None) is gated
-    return module
+    return common.quantized(Nested(), gated)
 
 
 def dequantizations(module: Any, call: Callable[[], Any]) -> int:
@@ -136,11 +104,11 @@ def depth_case(depth: int, rounds: int) -> dict[str, Any]:
 
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20 * depth + 1000))
     warnings.filterwarnings("ignore", category=FutureWarning)  # bitsandbytes' CPU backend, every call
-    unpatched_bitsandbytes()
+    common.unpatched_bitsandbytes()
     models = {CONTROL: build(gated=False), GATE: build(gated=True), FLOOR: build(gated=False)}
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        calls = {name: _bound(model, x, depth) for name, model in models.items()}
+        calls = {name: partial(model, x, depth) for name, model in models.items()}
         outputs = [call() for call in calls.values()]
         assert all(torch.equal(outputs[0], output) for output in outputs)
         counted = {name: dequantizations(models[name], call) for name, call in calls.items()}
@@ -155,15 +123,6 @@ def depth_case(depth: int, rounds: int) -> dict[str, Any]:
     result["dequantizations_equal"] = counted[GATE] == counted[CONTROL]
     result["gate_over_control"] = comparison.record()
     return result
-
-
-def _bound(model: Any, x: Any, depth: int) -> Callable[[], Any]:
-    """A no-argument call of ``model(x, depth)``."""
-
-    def call() -> Any:
-        return model(x, depth)
-
-    return call
 
 
 def wrapped_case(rounds: int) -> dict[str, Any]:

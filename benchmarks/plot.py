@@ -1,11 +1,6 @@
-"""Plot the memory benchmarks: docs/memory.png from results/memory-cpu.json (and memory-cuda.json),
-and with ``--full`` docs/memory-olmoe.png from results/olmoe-full-cpu.json (olmoe_full.py).
-
-Panels: bytes held by torch's parametrization cache after every step, and the cache counter,
-for unfixed bitsandbytes, this package and upstream's fix; with a CUDA result, also
-``torch.cuda.memory_allocated()`` after every step and the peak of every step.
-
-Needs matplotlib (the ``benchmark`` extra: ``pip install 'bnb-gc-fix[benchmark]'``).
+"""docs/memory.png from results/memory-cpu.json (and memory-cuda.json), and with ``--full``
+docs/memory-olmoe.png from results/olmoe-full-cpu.json (the panels: benchmarks/README.md). Needs matplotlib
+(the ``benchmark`` extra).
 
     python benchmarks/plot.py
     python benchmarks/plot.py --full                                   # docs/memory-olmoe.png
@@ -125,11 +120,8 @@ def _largest_shared(result: dict[str, Any]) -> int:
 
 
 def plot_full(result: dict[str, Any], output: Path) -> None:
-    """docs/memory-olmoe.png: the OLMoE-1B-7B-shaped benchmark (benchmarks/olmoe_full.py).
-
-    Top: bytes held by the cache and resident memory (after each step, and the peak) over the steps
-    of the largest layer count every column ran. Bottom: the same against the layer count.
-    """
+    """docs/memory-olmoe.png: cache bytes and memory over the steps of the largest layer count every
+    column ran (top), and against the layer count (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
