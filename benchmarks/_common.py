@@ -1,24 +1,16 @@
-"""Shared helpers of the benchmarks: the tiny OLMoE, upstream's fix, cache accounting, machine info.
-
-Not a test helper and not part of the package: the scripts in this folder import it by path
-(``python benchmarks/<script>.py`` puts this folder first on ``sys.path``).
+"""What the benchmarks share besides the measuring (``_harness.py``): the configurations and upstream's
+fix, a worker's training step and its evidence, the tiny OLMoE, hand-built plain pairs and gates.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
-import statistics
 import sys
+import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-RESULTS = HERE / "results"
-DOCS = ROOT / "docs"
+from _harness import ROOT
 
 #: The three configurations of the memory benchmark, in the order they are reported.
 UNFIXED = "unfixed"
@@ -88,14 +80,84 @@ def apply_upstream_fix() -> None:
     bnb_parametrize._register_parametrization_hooks = register
 
 
-def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
-    """The tests' tiny OLMoE (``tests/scenarios/tiny_olmoe.py``): fused experts quantized to 4 bits,
-    only the router gates trainable, built on ``device`` before quantizing."""
-    sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
-    from tiny_olmoe import build
+def start(config: str, threads: int | None) -> None:
+    """A worker's first act: the configuration's fix (the package's import, or upstream's hooks)."""
+    if config == PACKAGE:
+        import bnb_gc_fix  # noqa: F401  (the import activates the fix)
+    import torch
 
-    model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
-    return model
+    if threads:
+        torch.set_num_threads(threads)
+    if config == UPSTREAM:
+        apply_upstream_fix()
+
+
+def fix_state(config: str) -> dict[str, Any]:
+    """Evidence that a worker runs the configuration it claims to run (SystemExit where it does not)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    register = bnb_parametrize._register_parametrization_hooks
+    state: dict[str, Any] = {
+        "bnb_gc_fix_imported": "bnb_gc_fix" in sys.modules,
+        "register_hooks": type(register).__name__,
+        "register_hooks_module": getattr(register, "__module__", None),
+    }
+    if "bnb_gc_fix" in sys.modules:
+        status = sys.modules["bnb_gc_fix"].status()
+        state["active"] = status.active
+        state["reason"] = status.reason
+    if config == PACKAGE and not state.get("active"):
+        raise SystemExit(f"bnb-gc-fix is not active in the {config} worker: {state}")
+    if config != PACKAGE and state["bnb_gc_fix_imported"]:
+        raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
+    return state
+
+
+def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[Any, Any, list[Any]]:
+    """The report's loop around ``model``: (AdamW over its trainable parameters, fixed random input ids,
+    those parameters)."""
+    import torch
+
+    model.config.use_cache = False
+    model.train()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+    return optimizer, ids, trainable
+
+
+def train_step(model: Any, ids: Any, optimizer: Any, step: int, cuda: bool) -> dict[str, Any]:
+    """One training step, timed, and what it left behind: torch's cache, resident memory (and CUDA's)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    counter, entries, cached = cache_state()
+    status = proc_status()
+    record: dict[str, Any] = {
+        "step": step,
+        "step_s": elapsed,
+        "loss": float(loss.item()),
+        "counter": counter,
+        "cache_entries": entries,
+        "cache_bytes": cached,
+        "rss_bytes": status.get("VmRSS"),
+        "peak_rss_bytes": status.get("VmHWM"),
+    }
+    if cuda:
+        record["allocated_bytes"] = torch.cuda.memory_allocated()
+        record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return record
 
 
 def cache_state() -> tuple[int, int, int]:
@@ -110,86 +172,53 @@ def cache_state() -> tuple[int, int, int]:
     return int(P._cache_enabled), len(P._cache), held
 
 
-def rss_bytes() -> int | None:
-    """Resident set size of this process (Linux), or None where /proc is not available."""
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (bytes) of a process, from /proc; empty where there is no /proc."""
+    found: dict[str, int] = {}
     try:
-        with open("/proc/self/statm") as statm:
-            pages = int(statm.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def machine() -> dict[str, Any]:
-    """What the figures were measured on."""
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "processor": _cpu_model(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["cuda"] = torch.cuda.is_available()
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-            info["cuda_version"] = torch.version.cuda
-    except ImportError:
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["bitsandbytes"] = version("bitsandbytes")
-        info["transformers"] = version("transformers")
-    except Exception:
-        pass
-    return info
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    found[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return platform.processor() or None
+    return found
 
 
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
+def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
+    """The tests' tiny OLMoE (``tests/scenarios/tiny_olmoe.py``): fused experts quantized to 4 bits,
+    only the router gates trainable, built on ``device`` before quantizing."""
+    sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
+    from tiny_olmoe import build
+
+    model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
+    return model
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    print(f"wrote {_shown(path)}", file=sys.stderr)
+def unpatched_bitsandbytes() -> Callable[..., None]:
+    """bitsandbytes' own ``_register_parametrization_hooks``, the patch removed if the start-up hook
+    applied it (the scripts that build plain pairs and gates by hand set ``BNB_GC_FIX=0`` first)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    from bnb_gc_fix import patch, targets
+
+    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
+        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
+    register: Callable[..., None] = bnb_parametrize._register_parametrization_hooks
+    return register
 
 
-def write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {_shown(path)}", file=sys.stderr)
+def quantized(module: Any, gated: bool, names: tuple[str, ...] = ("weight",)) -> Any:
+    """``module`` with ``names`` quantized by ``replace_parameter_4bit`` (nf4): a plain pair each, or with
+    ``gated`` one gate in their place (``bnb_gc_fix.hooks.install``)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
 
+    from bnb_gc_fix import gate, hooks
 
-def write_results(output: Path, result: dict[str, Any], table: str) -> None:
-    """A benchmark's result: JSON at ``output``, its Markdown table beside it, the table printed."""
-    write_json(output, result)
-    write_text(output.with_suffix(".md"), table)
-    print(table)
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.1f} MiB"
+    for name in names:
+        bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4")
+    if gated:
+        assert hooks.install(module)
+    assert (gate.Gate.of(module) is not None) is gated
+    return module.requires_grad_(False)

@@ -1,29 +1,11 @@
-"""The memory benchmark on CUDA, in one command (a few minutes at most on any recent GPU).
+"""The memory benchmarks on CUDA, in one command (benchmarks/README.md, "CUDA").
 
-Runs benchmarks/memory.py with ``--device cuda`` (three fresh worker processes: unfixed
-bitsandbytes, this package, upstream 0.50's fix patched in; 50 steps each), which records per
-step the cache counter, the bytes held by the cache, ``torch.cuda.memory_allocated()`` and
-``torch.cuda.max_memory_allocated()`` (peak reset before every step). Writes
-``benchmarks/results/memory-cuda.json`` and ``.md``, then redraws ``docs/memory.png`` with the
-CUDA panels if matplotlib is installed.
-
-    python benchmarks/gpu.py                      # on a machine with a CUDA GPU
-    python benchmarks/gpu.py --dtype bfloat16     # extra options go to memory.py
-    python benchmarks/gpu.py --device cpu         # smoke run of this script without a GPU
-                                                  # (quick settings, results/tmp/, no plot)
-
-``--full`` runs the bug report's real size instead: ``olmoe_full.py --device cuda`` (OLMoE-1B-7B's
-shapes, random weights generated and quantized on the GPU by bitsandbytes' own ``quantize_4bit``;
-four fresh workers per layer count: unfixed, this package, upstream's fix, the report's workaround),
-recording ``memory_allocated()`` after each step and ``max_memory_allocated()`` during it. By default
-1 and 16 layers (the anchor and the whole model), 3 steps each: eight workers, each of which builds
-its model in seconds on a large GPU, so the command should finish in about 2-3 minutes (not measured
-yet: no GPU was available). Writes ``results/olmoe-full-cuda.json`` / ``.md`` and
-``docs/memory-olmoe-cuda.png``.
-
-    python benchmarks/gpu.py --full                         # 1 and 16 layers
-    python benchmarks/gpu.py --full --layers 1 2 4 8 16     # every layer count (more workers)
-    python benchmarks/gpu.py --full --device cpu            # smoke run: reduced width on the CPU
+python benchmarks/gpu.py                                # memory.py --device cuda: results/memory-cuda.*
+python benchmarks/gpu.py --dtype bfloat16               # extra options go to memory.py (or olmoe_full.py)
+python benchmarks/gpu.py --device cpu                   # smoke run without a GPU (results/tmp/, no plot)
+python benchmarks/gpu.py --full                         # olmoe_full.py --device cuda, 1 and 16 layers
+python benchmarks/gpu.py --full --layers 1 2 4 8 16     # every layer count (more workers)
+python benchmarks/gpu.py --full --device cpu            # smoke run: reduced width on the CPU
 """
 
 from __future__ import annotations
@@ -31,17 +13,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import _common as common
+import _harness as harness
 import memory
+import olmoe_full
 
 FULL_LAYERS = ["1", "16"]
 
 
+def redraw(draw: Callable[[], None]) -> None:
+    """Run ``draw`` (one of plot.py's), or say why there is no plot."""
+    try:
+        draw()
+    except ImportError as error:
+        print(f"not plotting ({error}); pip install matplotlib, then run benchmarks/plot.py", file=sys.stderr)
+
+
 def full(device: str, forwarded: list[str], plot_it: bool) -> int:
     """The OLMoE-1B-7B-shaped scenario (olmoe_full.py) on ``device``."""
-    import olmoe_full
-
     smoke = not device.startswith("cuda")
     arguments = ["--device", device, *forwarded]
     if "--layers" not in forwarded:
@@ -49,19 +41,28 @@ def full(device: str, forwarded: list[str], plot_it: bool) -> int:
     if smoke:
         arguments += ["--smoke", "--seq", "32"]
     else:
-        arguments += ["--output", str(common.RESULTS / "olmoe-full-cuda.json")]
+        arguments += ["--output", str(harness.RESULTS / "olmoe-full-cuda.json")]
     started = time.perf_counter()
     result = olmoe_full.main(arguments)
     assert result is not None
     print(f"OLMoE-1B-7B-shaped benchmark on {device}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if plot_it and not smoke:
-        try:
-            import plot
+        import plot
 
-            plot.plot_full(result, common.DOCS / "memory-olmoe-cuda.png")
-        except ImportError as error:
-            print(f"not plotting ({error}); pip install matplotlib", file=sys.stderr)
+        redraw(lambda: plot.plot_full(result, harness.DOCS / "memory-olmoe-cuda.png"))
     return 0
+
+
+def show(result: dict[str, Any]) -> None:
+    """Each configuration's CUDA memory after the last step."""
+    for config in common.CONFIGS:
+        final = result["configs"][config]["final"]
+        growth = harness.mib(final["allocated_growth_bytes"])
+        print(
+            f"{config:>14}: cache {harness.mib(final['cache_bytes'])} held, allocated after last step "
+            f"{harness.mib(final['allocated_bytes'])} (grew {growth} since step 1), "
+            f"peak {harness.mib(final['max_allocated_bytes'])}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"GPU: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", file=sys.stderr)
     if args.full:
         return full(args.device, forwarded, not args.no_plot)
-    output = common.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
+    output = harness.RESULTS / ("tmp/memory-gpu-smoke.json" if smoke else "memory-cuda.json")
     memory_args = ["--device", args.device, "--output", str(output), *forwarded]
     if smoke and "--quick" not in forwarded:
         memory_args.append("--quick")
@@ -90,24 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     result = memory.main(memory_args)
     assert result is not None
     print(f"memory benchmark on {args.device}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    if not smoke:
-        for config in common.CONFIGS:
-            final = result["configs"][config]["final"]
-            print(
-                f"{config:>14}: cache {common.mib(final['cache_bytes'])} held, allocated after last step "
-                f"{common.mib(final['allocated_bytes'])} (grew {common.mib(final['allocated_growth_bytes'])} "
-                f"since step 1), peak {common.mib(final['max_allocated_bytes'])}"
-            )
-    if not smoke and not args.no_plot:
-        try:
-            import plot
+    if smoke:
+        return 0
+    show(result)
+    if not args.no_plot:
+        import plot
 
-            plot.plot(plot._load(common.RESULTS / "memory-cpu.json"), result, common.DOCS / "memory.png")
-        except ImportError as error:
-            print(
-                f"not plotting ({error}); pip install matplotlib, then run benchmarks/plot.py",
-                file=sys.stderr,
+        redraw(
+            lambda: plot.plot(
+                plot._load(harness.RESULTS / "memory-cpu.json"), result, harness.DOCS / "memory.png"
             )
+        )
     return 0
 
 

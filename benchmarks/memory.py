@@ -1,19 +1,5 @@
-"""Memory benchmark: a tiny 4-bit OLMoE trained with gradient checkpointing, three ways.
-
-Each configuration runs in its own fresh interpreter (a worker), started side by side:
-
-* ``unfixed``        bitsandbytes as installed, ``BNB_GC_FIX=0``;
-* ``bnb-gc-fix``     bitsandbytes as installed, ``import bnb_gc_fix``;
-* ``upstream-0.50``  bitsandbytes as installed, ``BNB_GC_FIX=0``, and upstream 0.50's hooks
-  (``always_call=True`` disable hook, counter clamped at zero) patched in by the benchmark,
-  so that the package is compared with upstream's fix on the same bitsandbytes.
-
-The workers build the model, then the driver makes them train in lockstep: short segments
-of steps, one worker at a time, the order alternating every round. Every step records the
-parametrization-cache counter (``torch.nn.utils.parametrize._cache_enabled``), the bytes held
-by the tensors in its cache, the step time, and on CUDA ``memory_allocated`` and
-``max_memory_allocated``. The step-time ratio bnb-gc-fix / upstream is the median over rounds
-of the ratio of the two segments of the round (both workers ran the same steps back to back).
+"""Memory benchmark: a tiny 4-bit OLMoE trained with gradient checkpointing, unfixed vs this package vs
+upstream 0.50's fix, three workers driven in lockstep (benchmarks/README.md, "Memory").
 
     python benchmarks/memory.py                 # CPU, 50 steps, results/memory-cpu.json + .md
     python benchmarks/memory.py --quick         # a smaller model and 10 steps (smoke run)
@@ -23,282 +9,170 @@ of the ratio of the two segments of the round (both workers ran the same steps b
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import _common as common
+import _harness as harness
 
-MARK = "@@"
-
-
-# --------------------------------------------------------------------------- the worker
-
-
-def _emit(message: dict[str, Any]) -> None:
-    sys.stdout.write(MARK + json.dumps(message) + "\n")
-    sys.stdout.flush()
-
-
-def _fix_state(config: str) -> dict[str, Any]:
-    """Evidence that the worker runs the configuration it claims to run."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-
-    state: dict[str, Any] = {
-        "bnb_gc_fix_imported": "bnb_gc_fix" in sys.modules,
-        "register_hooks": type(bnb_parametrize._register_parametrization_hooks).__name__,
-    }
-    if "bnb_gc_fix" in sys.modules:
-        status = sys.modules["bnb_gc_fix"].status()
-        state["active"] = status.active
-        state["reason"] = status.reason
-    if config == common.PACKAGE and not state.get("active"):
-        raise SystemExit(f"bnb-gc-fix is not active in the {config} worker: {state}")
-    if config != common.PACKAGE and state["bnb_gc_fix_imported"]:
-        raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
-    return state
+#: The model and the protocol, each an option of the same name; the worker gets the model's.
+SIZES = {"layers": 6, "experts": 16, "hidden": 256, "batch": 2, "seq": 16, "threads": 1}
+PROTOCOL = {"steps": 50, "segment": 5, "extra_rounds": 10}
+QUICK = {"layers": 2, "experts": 8, "hidden": 128, "steps": 10, "segment": 2, "extra_rounds": 2}
+WORKER_OPTIONS = ("device", "dtype", *SIZES)
 
 
 def worker(args: argparse.Namespace) -> None:
+    """Build the model, say it is ready, then run the driver's segments of steps."""
     config = args.worker
-    if config == common.PACKAGE:
-        import bnb_gc_fix  # noqa: F401  (the import activates the fix)
+    common.start(config, args.threads)
     import torch
 
-    torch.set_num_threads(args.threads)
-    if config == common.UPSTREAM:
-        common.apply_upstream_fix()
-    device = args.device
-    cuda = device.startswith("cuda")
-
+    cuda = args.device.startswith("cuda")
     started = time.perf_counter()
-    model = common.build_olmoe(args.layers, args.experts, args.hidden, device=device, dtype=args.dtype)
+    model = common.build_olmoe(args.layers, args.experts, args.hidden, device=args.device, dtype=args.dtype)
     model.gradient_checkpointing_enable()
-    model.config.use_cache = False
-    model.train()
-    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 128, (args.batch, args.seq), generator=generator).to(device)
+    optimizer, ids, trainable = common.trainer(model, 1e-3, args.batch, args.seq, args.device)
     experts = model.model.layers[0].mlp.experts
-    hooks = {"pre": len(experts._forward_pre_hooks), "post": len(experts._forward_hooks)}
     if cuda:
         torch.cuda.synchronize()
-    _emit(
+    harness.emit(
         {
             "ready": config,
             "build_s": time.perf_counter() - started,
-            "fix": _fix_state(config),
-            "hooks_on_one_experts_module": hooks,
-            "quantized_parameters": sum(2 for _ in model.model.layers),
+            "fix": common.fix_state(config),
+            "hooks_on_one_experts_module": {
+                "pre": len(experts._forward_pre_hooks),
+                "post": len(experts._forward_hooks),
+            },
+            "quantized_parameters": 2 * len(model.model.layers),
             "trainable_parameters": sum(parameter.numel() for parameter in trainable),
-            "rss_after_build": common.rss_bytes(),
+            "rss_after_build": common.proc_status().get("VmRSS"),
             "allocated_after_build": torch.cuda.memory_allocated() if cuda else None,
         }
     )
-
     step = 0
-    for line in sys.stdin:
-        command = json.loads(line)
+    for command in harness.commands():
         if command["cmd"] == "quit":
             break
         segment_started = time.perf_counter()
         for _ in range(command["steps"]):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - t0
-            counter, entries, cached = common.cache_state()
-            record: dict[str, Any] = {
-                "step": step,
-                "step_s": elapsed,
-                "loss": float(loss.item()),
-                "counter": counter,
-                "cache_entries": entries,
-                "cache_bytes": cached,
-                "rss_bytes": common.rss_bytes(),
-            }
-            if cuda:
-                record["allocated_bytes"] = torch.cuda.memory_allocated()
-                record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
-            _emit({"record": record})
+            harness.emit({"record": common.train_step(model, ids, optimizer, step, cuda)})
             step += 1
-        _emit({"segment_s": time.perf_counter() - segment_started})
+        harness.emit({"segment_s": time.perf_counter() - segment_started})
 
 
-# --------------------------------------------------------------------------- the driver
+def start_worker(config: str, args: argparse.Namespace) -> harness.Worker:
+    options = {"worker": config, **{name: getattr(args, name) for name in WORKER_OPTIONS}}
+    command = harness.worker_command(Path(__file__).resolve(), options)
+    return harness.Worker(config, command, common.config_env(config))
 
 
-class Worker:
-    """One configuration in its own interpreter, driven over its stdin/stdout."""
+def run_segment(worker_: harness.Worker, steps: int, records: list[dict[str, Any]]) -> float:
+    """``steps`` steps of one worker; its records go to ``records``; returns the segment's time."""
+    worker_.send({"cmd": "run", "steps": steps})
+    while True:
+        message = worker_.receive()
+        if "record" not in message:
+            return float(message["segment_s"])
+        records.append(message["record"])
 
-    def __init__(self, config: str, args: argparse.Namespace) -> None:
-        self.config = config
-        command = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--worker",
-            config,
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-            "--layers",
-            str(args.layers),
-            "--experts",
-            str(args.experts),
-            "--hidden",
-            str(args.hidden),
-            "--batch",
-            str(args.batch),
-            "--seq",
-            str(args.seq),
-            "--threads",
-            str(args.threads),
-        ]
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=common.config_env(config),
-            cwd=common.ROOT,
-        )
-        self.ready: dict[str, Any] = {}
-        self.records: list[dict[str, Any]] = []
 
-    def _read(self) -> dict[str, Any]:
-        stdout: IO[str] = self.process.stdout  # type: ignore[assignment]
-        for line in stdout:
-            if line.startswith(MARK):
-                message: dict[str, Any] = json.loads(line[len(MARK) :])
-                return message
-        code = self.process.wait()
-        raise SystemExit(f"the {self.config} worker exited with status {code} (its stderr is above)")
-
-    def _send(self, command: dict[str, Any]) -> None:
-        stdin: IO[str] = self.process.stdin  # type: ignore[assignment]
-        stdin.write(json.dumps(command) + "\n")
-        stdin.flush()
-
-    def wait_ready(self) -> None:
-        self.ready = self._read()
-
-    def run(self, steps: int) -> float:
-        self._send({"cmd": "run", "steps": steps})
-        while True:
-            message = self._read()
-            if "record" in message:
-                self.records.append(message["record"])
-            else:
-                return float(message["segment_s"])
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            try:
-                self._send({"cmd": "quit"})
-                self.process.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
+def timed_round(
+    workers: dict[str, harness.Worker], records: dict[str, list[dict[str, Any]]], index: int, steps: int
+) -> dict[str, Any]:
+    """One round: every worker in ``workers`` runs ``steps`` steps, in an order alternating by round."""
+    order = harness.order_of(list(workers), index)
+    times = {config: run_segment(workers[config], steps, records[config]) for config in order}
+    return {"round": index, "steps": steps, "order": order, "segment_s": times}
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
-    workers = {config: Worker(config, args) for config in common.CONFIGS}
+    workers = {config: start_worker(config, args) for config in common.CONFIGS}
+    ready: dict[str, dict[str, Any]] = {}
+    records: dict[str, list[dict[str, Any]]] = {config: [] for config in common.CONFIGS}
+    rounds: list[dict[str, Any]] = []
     try:
-        for worker_ in workers.values():
-            worker_.wait_ready()
-            print(f"{worker_.config}: built in {worker_.ready['build_s']:.1f} s", file=sys.stderr)
-        rounds: list[dict[str, Any]] = []
+        for config, worker_ in workers.items():
+            ready[config] = worker_.receive()
+            print(f"{config}: built in {ready[config]['build_s']:.1f} s", file=sys.stderr)
         done = 0
-        index = 0
         while done < args.steps:
             steps = min(args.segment, args.steps - done)
-            order = list(common.CONFIGS) if index % 2 == 0 else list(reversed(common.CONFIGS))
-            times = {config: workers[config].run(steps) for config in order}
-            rounds.append({"round": index, "steps": steps, "order": order, "segment_s": times})
+            rounds.append(timed_round(workers, records, len(rounds), steps))
             done += steps
-            index += 1
-            last = {config: workers[config].records[-1] for config in common.CONFIGS}
-            if done >= args.steps:
-                break
-            print(
-                f"step {done:3d}  "
-                + "  ".join(
-                    f"{c}: counter {r['counter']:4d} cache {common.mib(r['cache_bytes'])}"
-                    for c, r in last.items()
-                ),
-                file=sys.stderr,
-            )
-        # Timing-only rounds: the two fixed configurations, still alternating. Their steps are
-        # not part of the memory figures (those are the first --steps steps of every worker).
-        for extra in range(args.extra_rounds):
-            order = [common.PACKAGE, common.UPSTREAM] if extra % 2 == 0 else [common.UPSTREAM, common.PACKAGE]
-            times = {config: workers[config].run(args.segment) for config in order}
-            rounds.append({"round": index, "steps": args.segment, "order": order, "segment_s": times})
-            index += 1
+            _progress(done, records)
+        # Timing-only rounds of the two fixed configurations, still alternating: their steps are not
+        # part of the memory figures (those are the first --steps steps of every worker).
+        fixed = {config: workers[config] for config in (common.PACKAGE, common.UPSTREAM)}
+        for _ in range(args.extra_rounds):
+            rounds.append(timed_round(fixed, records, len(rounds), args.segment))
         print(f"{args.extra_rounds} timing-only rounds done", file=sys.stderr)
     finally:
         for worker_ in workers.values():
             worker_.close()
-    return summarise(args, workers, rounds)
+    return summarise(args, ready, records, rounds)
+
+
+def _progress(done: int, records: dict[str, list[dict[str, Any]]]) -> None:
+    states = [
+        f"{config}: counter {found[-1]['counter']:4d} cache {harness.mib(found[-1]['cache_bytes'])}"
+        for config, found in records.items()
+    ]
+    print(f"step {done:3d}  " + "  ".join(states), file=sys.stderr)
+
+
+def final_state(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a configuration's memory steps left: the last step's cache and memory, the median step."""
+    last = records[-1]
+    final: dict[str, Any] = {
+        "steps": len(records),
+        "counter": last["counter"],
+        "cache_entries": last["cache_entries"],
+        "cache_bytes": last["cache_bytes"],
+        "max_cache_bytes_after_a_step": max(record["cache_bytes"] for record in records),
+        "median_step_s": harness.median([record["step_s"] for record in records]),
+        "rss_bytes": last["rss_bytes"],
+    }
+    if "allocated_bytes" in last:
+        final["allocated_bytes"] = last["allocated_bytes"]
+        final["max_allocated_bytes"] = max(record["max_allocated_bytes"] for record in records)
+        final["allocated_growth_bytes"] = last["allocated_bytes"] - records[0]["allocated_bytes"]
+    return final
 
 
 def summarise(
-    args: argparse.Namespace, workers: dict[str, Worker], rounds: list[dict[str, Any]]
+    args: argparse.Namespace,
+    ready: dict[str, dict[str, Any]],
+    records: dict[str, list[dict[str, Any]]],
+    rounds: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    configs: dict[str, Any] = {}
-    for config, worker_ in workers.items():
-        records = worker_.records[: args.steps]
-        last = records[-1]
-        final: dict[str, Any] = {
-            "steps": len(records),
-            "counter": last["counter"],
-            "cache_entries": last["cache_entries"],
-            "cache_bytes": last["cache_bytes"],
-            "max_cache_bytes_after_a_step": max(r["cache_bytes"] for r in records),
-            "median_step_s": common.median([r["step_s"] for r in records]),
-            "rss_bytes": last["rss_bytes"],
-        }
-        if "allocated_bytes" in last:
-            final["allocated_bytes"] = last["allocated_bytes"]
-            final["max_allocated_bytes"] = max(r["max_allocated_bytes"] for r in records)
-            final["allocated_growth_bytes"] = last["allocated_bytes"] - records[0]["allocated_bytes"]
-        configs[config] = {
+    memory_steps = {config: found[: args.steps] for config, found in records.items()}
+    configs = {
+        config: {
             "description": common.DESCRIPTIONS[config],
             "env_BNB_GC_FIX": common.config_env(config).get("BNB_GC_FIX"),
-            **worker_.ready,
-            "final": final,
-            "steps": records,
+            **ready[config],
+            "final": final_state(steps),
+            "steps": steps,
         }
+        for config, steps in memory_steps.items()
+    }
     # The first round holds each worker's first step (lazy initialisation): left out.
     timed = rounds[1:] if len(rounds) > 1 else rounds
-    ratios = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UPSTREAM] for r in timed]
-    unfixed_ratios = [
-        r["segment_s"][common.PACKAGE] / r["segment_s"][common.UNFIXED]
-        for r in timed
-        if common.UNFIXED in r["order"]
-    ]
-    losses = {config: [r["loss"] for r in workers[config].records[: args.steps]] for config in common.CONFIGS}
+    per_round = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UPSTREAM] for r in timed]
+    ratio = harness.Spread.of(per_round)
+    with_unfixed = [r for r in timed if common.UNFIXED in r["order"]]
+    unfixed_ratios = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UNFIXED] for r in with_unfixed]
+    losses = [[record["loss"] for record in steps] for steps in memory_steps.values()]
     return {
         "benchmark": "memory",
         "device": args.device,
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "settings": {
-            "layers": args.layers,
-            "experts": args.experts,
-            "hidden": args.hidden,
-            "batch": args.batch,
-            "seq": args.seq,
+            **{name: getattr(args, name) for name in ("layers", "experts", "hidden", "batch", "seq")},
             "dtype": args.dtype,
             "steps": args.steps,
             "segment_steps": args.segment,
@@ -316,15 +190,11 @@ def summarise(
             ),
             "extra_rounds": args.extra_rounds,
             "rounds": rounds,
-            "ratio_package_over_upstream": {
-                "median": common.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
-                "per_round": ratios,
-            },
-            "ratio_package_over_unfixed": {"median": common.median(unfixed_ratios)},
+            "ratio_package_over_upstream": {**ratio.record(), "per_round": per_round},
+            "result": harness.verdict(ratio, floor=None),
+            "ratio_package_over_unfixed": {"median": harness.median(unfixed_ratios)},
         },
-        "losses_identical": losses[common.PACKAGE] == losses[common.UPSTREAM] == losses[common.UNFIXED],
+        "losses_identical": all(found == losses[0] for found in losses),
         "notes": notes(args.device),
     }
 
@@ -345,44 +215,43 @@ def notes(device: str) -> list[str]:
     return found
 
 
+def _row(config: str, final: dict[str, Any], cuda: bool) -> list[str]:
+    row = [
+        config,
+        str(final["counter"]),
+        str(final["cache_entries"]),
+        f"{final['cache_bytes']:,} ({harness.mib(final['cache_bytes'])})",
+        f"{final['median_step_s'] * 1e3:.0f} ms",
+    ]
+    if cuda:
+        row += [harness.mib(final["allocated_bytes"]), harness.mib(final["max_allocated_bytes"])]
+    return row
+
+
 def markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
     cuda = str(result["device"]).startswith("cuda")
     shape = f"{settings['layers']} layers, {settings['experts']} experts, hidden {settings['hidden']}"
-    lines = [
-        f"Tiny OLMoE, {shape}, "
-        f"{settings['dtype']}, batch {settings['batch']}x{settings['seq']}, gradient checkpointing, "
-        f"{settings['steps']} steps on {result['device']}.",
-        "",
-    ]
-    header = (
-        "| configuration | counter after last step | cache entries | cache bytes retained | median step |"
-    )
-    rule = "|---|---:|---:|---:|---:|"
+    header = ["configuration", "counter after last step", "cache entries", "cache bytes retained"]
+    header.append("median step")
     if cuda:
-        header += " allocated after last step | peak allocated |"
-        rule += "---:|---:|"
-    lines += [header, rule]
-    for config in common.CONFIGS:
-        final = result["configs"][config]["final"]
-        row = (
-            f"| {config} | {final['counter']} | {final['cache_entries']} | "
-            f"{final['cache_bytes']:,} ({common.mib(final['cache_bytes'])}) | "
-            f"{final['median_step_s'] * 1e3:.0f} ms |"
-        )
-        if cuda:
-            row += f" {common.mib(final['allocated_bytes'])} | {common.mib(final['max_allocated_bytes'])} |"
-        lines.append(row)
-    ratio = result["timing"]["ratio_package_over_upstream"]
-    lines += [
+        header += ["allocated after last step", "peak allocated"]
+    rows = [_row(config, result["configs"][config]["final"], cuda) for config in common.CONFIGS]
+    per_round = result["timing"]["ratio_package_over_upstream"]["per_round"]
+    ratio = harness.Spread.of(per_round)
+    lines = [
+        f"Tiny OLMoE, {shape}, {settings['dtype']}, batch {settings['batch']}x{settings['seq']}, "
+        f"gradient checkpointing, {settings['steps']} steps on {result['device']}.",
         "",
-        f"Step time bnb-gc-fix / upstream-0.50: **{ratio['median']:.3f}x** (median of "
-        f"{len(ratio['per_round'])} alternating rounds of {settings['segment_steps']} steps, "
-        f"range {ratio['min']:.3f}-{ratio['max']:.3f}).",
+        *harness.table(header, rows),
+        "",
+        f"Step time bnb-gc-fix / upstream-0.50: **{result['timing']['result']}** (median {ratio.text()} "
+        f"over {len(per_round)} alternating rounds of {settings['segment_steps']} steps, "
+        f"range {ratio.min:.3f}-{ratio.max:.3f}).",
         f"Losses identical in all three configurations: {result['losses_identical']}.",
         "",
+        *(f"- {note}" for note in result["notes"]),
     ]
-    lines += [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"
 
 
@@ -392,30 +261,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--segment", type=int, default=5, help="steps per timed segment")
-    parser.add_argument(
-        "--extra-rounds", type=int, default=10, help="timing-only rounds after the memory steps (default 10)"
-    )
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    for name, default in {**SIZES, **PROTOCOL}.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--quick", action="store_true", help="2 layers, 8 experts, hidden 128, 10 steps")
     parser.add_argument("--output", type=Path, help="result JSON (default results/memory-<device>.json)")
     parser.add_argument("--worker", choices=common.CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
-        args.layers, args.experts, args.hidden, args.steps, args.segment, args.extra_rounds = (
-            2,
-            8,
-            128,
-            10,
-            2,
-            2,
-        )
+        vars(args).update(QUICK)
     return args
 
 
@@ -428,9 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result = drive(args)
     result["wall_s"] = time.perf_counter() - started
     kind = "cuda" if args.device.startswith("cuda") else "cpu"
-    folder = common.RESULTS / "tmp" if args.quick else common.RESULTS  # quick runs are not results
-    output: Path = args.output or folder / f"memory-{kind}{'-quick' if args.quick else ''}.json"
-    common.write_results(output, result, markdown(result))
+    name = f"memory-{kind}{'-quick' if args.quick else ''}.json"
+    output = harness.output_path(name, args.quick, args.output)
+    harness.write_results(output, result, markdown(result))
     return result
 
 

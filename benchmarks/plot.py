@@ -1,11 +1,6 @@
-"""Plot the memory benchmarks: docs/memory.png from results/memory-cpu.json (and memory-cuda.json),
-and with ``--full`` docs/memory-olmoe.png from results/olmoe-full-cpu.json (olmoe_full.py).
-
-Panels: bytes held by torch's parametrization cache after every step, and the cache counter,
-for unfixed bitsandbytes, this package and upstream's fix; with a CUDA result, also
-``torch.cuda.memory_allocated()`` after every step and the peak of every step.
-
-Needs matplotlib (the ``benchmark`` extra: ``pip install 'bnb-gc-fix[benchmark]'``).
+"""docs/memory.png from results/memory-cpu.json (and memory-cuda.json), and with ``--full``
+docs/memory-olmoe.png from results/olmoe-full-cpu.json (the panels: benchmarks/README.md). Needs matplotlib
+(the ``benchmark`` extra).
 
     python benchmarks/plot.py
     python benchmarks/plot.py --full                                   # docs/memory-olmoe.png
@@ -21,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as common
+import _harness as harness
 
 STYLE = {
     common.UNFIXED: {"color": "#c0392b", "linestyle": "-", "linewidth": 2.2},
@@ -124,11 +120,8 @@ def _largest_shared(result: dict[str, Any]) -> int:
 
 
 def plot_full(result: dict[str, Any], output: Path) -> None:
-    """docs/memory-olmoe.png: the OLMoE-1B-7B-shaped benchmark (benchmarks/olmoe_full.py).
-
-    Top: bytes held by the cache and resident memory (after each step, and the peak) over the steps
-    of the largest layer count every column ran. Bottom: the same against the layer count.
-    """
+    """docs/memory-olmoe.png: cache bytes and memory over the steps of the largest layer count every
+    column ran (top), and against the layer count (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,14 +244,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cpu", type=Path, default=common.RESULTS / "memory-cpu.json")
-    parser.add_argument("--cuda", type=Path, default=common.RESULTS / "memory-cuda.json")
-    parser.add_argument("--output", type=Path, default=common.DOCS / "memory.png")
+    parser.add_argument("--cpu", type=Path, default=harness.RESULTS / "memory-cpu.json")
+    parser.add_argument("--cuda", type=Path, default=harness.RESULTS / "memory-cuda.json")
+    parser.add_argument("--output", type=Path, default=harness.DOCS / "memory.png")
     parser.add_argument(
         "--full",
         type=Path,
         nargs="?",
-        const=common.RESULTS / "olmoe-full-cpu.json",
+        const=harness.RESULTS / "olmoe-full-cpu.json",
         help="plot olmoe_full.py's result (default results/olmoe-full-cpu.json) to docs/memory-olmoe.png",
     )
     args = parser.parse_args(argv)
@@ -267,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         if result is None:
             raise SystemExit(f"no {args.full}: run benchmarks/olmoe_full.py first")
         output = (
-            args.output if args.output != common.DOCS / "memory.png" else common.DOCS / "memory-olmoe.png"
+            args.output if args.output != harness.DOCS / "memory.png" else harness.DOCS / "memory-olmoe.png"
         )
         plot_full(result, output)
         return

@@ -18,46 +18,37 @@ import subprocess
 import sys
 import time
 
-import _common as common
+import _harness as harness
 
-BENCHMARKS = ("memory", "hotpath", "startup", "gpu", "plot", "olmoe-full", "plot-full")
+BENCHMARKS = ("memory", "hotpath", "nesting", "startup", "gpu", "plot", "olmoe-full", "plot-full")
+
+
+TMP = harness.RESULTS / "tmp"
 
 
 def commands(quick: bool, gpu: bool, full: bool = False) -> dict[str, list[str]]:
+    """Every benchmark's command line (script, then options); quick ones write to results/tmp/."""
     quick_flag = ["--quick"] if quick else []
+    quick_startup = ["--pairs", "30", "--output", str(TMP / "startup.json")]
+    quick_plot = ["--cpu", str(TMP / "memory-cpu-quick.json"), "--output", str(TMP / "memory.png")]
     found = {
         "memory": ["memory.py", *quick_flag],
         "hotpath": ["hotpath.py", *quick_flag],
-        "startup": ["startup.py"]
-        + (["--pairs", "30", "--output", str(common.RESULTS / "tmp" / "startup.json")] if quick else []),
-        "gpu": ["gpu.py", "--no-plot"] + (["--quick"] if quick else []),
-        "plot": ["plot.py"]
-        + (
-            [
-                "--cpu",
-                str(common.RESULTS / "tmp" / "memory-cpu-quick.json"),
-                "--output",
-                str(common.RESULTS / "tmp" / "memory.png"),
-            ]
-            if quick
-            else []
-        ),
+        "nesting": ["nesting.py", *quick_flag],
+        "startup": ["startup.py", *(quick_startup if quick else [])],
+        "gpu": ["gpu.py", "--no-plot", *quick_flag],
+        "plot": ["plot.py", *(quick_plot if quick else [])],
     }
     if full:
-        found["olmoe-full"] = [
-            "olmoe_full.py",
-            *(["--smoke", "--seq", "32", "--layers", "1", "2"] if quick else []),
+        quick_full = ["--smoke", "--seq", "32", "--layers", "1", "2"]
+        quick_plot_full = [
+            "--full",
+            str(TMP / "olmoe-full-cpu-smoke.json"),
+            "--output",
+            str(TMP / "memory-olmoe.png"),
         ]
-        found["plot-full"] = ["plot.py"] + (
-            [
-                "--full",
-                str(common.RESULTS / "tmp" / "olmoe-full-cpu-smoke.json"),
-                "--output",
-                str(common.RESULTS / "tmp" / "memory-olmoe.png"),
-            ]
-            if quick
-            else ["--full"]
-        )
+        found["olmoe-full"] = ["olmoe_full.py", *(quick_full if quick else [])]
+        found["plot-full"] = ["plot.py", *(quick_plot_full if quick else ["--full"])]
     if not gpu:
         del found["gpu"]
     return found
@@ -78,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"\n=== {name}: python benchmarks/{' '.join(command)}", flush=True)
         started = time.perf_counter()
-        code = subprocess.call([sys.executable, str(common.HERE / command[0]), *command[1:]], cwd=common.ROOT)
+        code = subprocess.call(
+            [sys.executable, str(harness.HERE / command[0]), *command[1:]], cwd=harness.ROOT
+        )
         print(f"=== {name}: exit status {code}, {time.perf_counter() - started:.0f} s", flush=True)
         if code:
             failures.append(name)

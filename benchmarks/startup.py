@@ -1,23 +1,5 @@
-"""Start-up benchmark: what the ``bnb_gc_fix.pth`` hook adds to ``python -c pass``.
-
-Every Python process of an environment where bnb-gc-fix is installed runs the ``.pth`` line,
-so its cost is paid by processes that never touch bitsandbytes. This script:
-
-1. builds the wheel (``python -m build --wheel``, or ``pip wheel`` if build is missing);
-2. makes two virtual environments from the same interpreter, both with wrapt and packaging
-   at the versions of the running environment, and installs the wheel (``--no-deps``) into
-   one of them only: the two differ only by this package;
-3. checks that the hook is live in one (a watcher on ``sys.meta_path``) and absent in the other;
-4. runs ``python -c pass`` in both, in pairs whose order alternates, after warm-up runs,
-   and reports the median of the per-pair ratios (with the package / without) and the
-   median absolute times, both wall-clock and the child's CPU time (user + system, from
-   ``os.wait4``), which other load on the machine disturbs less.
-
-Why two environments rather than renaming the ``.pth`` file between runs: renaming
-changes the environment being measured while it is measured (directory metadata, the
-import system's directory caches) and leaves it broken if the run is interrupted; two
-environments made the same way, warmed up and measured alternately, differ only in what we
-want to measure.
+"""Start-up benchmark: what the ``bnb_gc_fix.pth`` hook adds to ``python -c pass``, in two venvs made alike
+but for the wheel, timed in alternating pairs (method and why two venvs: benchmarks/README.md, "Start-up").
 
     python benchmarks/startup.py              # 100 pairs; writes results/startup.json
     python benchmarks/startup.py --pairs 30
@@ -37,7 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import _common as common
+import _harness as harness
 
 PROBE = "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))"
 
@@ -48,10 +30,10 @@ def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 def build_wheel(outdir: Path) -> Path:
     try:
-        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(common.ROOT)])
+        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(harness.ROOT)])
     except (subprocess.CalledProcessError, FileNotFoundError) as error:
         print(f"python -m build failed ({error}); trying pip wheel", file=sys.stderr)
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(common.ROOT)])
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(harness.ROOT)])
     wheels = sorted(outdir.glob("bnb_gc_fix-*.whl"))
     if not wheels:
         raise SystemExit(f"no wheel was built in {outdir}")
@@ -59,25 +41,13 @@ def build_wheel(outdir: Path) -> Path:
 
 
 def make_venv(path: Path, wheel: Path | None) -> Path:
+    """A venv with wrapt and packaging at the running environment's versions, and ``wheel`` if given."""
     _run([sys.executable, "-m", "venv", str(path)])
     python = path / "bin" / "python"
-    if not python.exists():  # Windows layout
-        python = path / "Scripts" / "python.exe"
-    requirements = [f"wrapt=={version('wrapt')}", f"packaging=={version('packaging')}"]
-    _run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *requirements])
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    _run([*pip, f"wrapt=={version('wrapt')}", f"packaging=={version('packaging')}"])
     if wheel is not None:
-        _run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-deps",
-                str(wheel),
-            ]
-        )
+        _run([*pip, "--no-deps", str(wheel)])
     return python
 
 
@@ -100,39 +70,36 @@ def time_once(python: Path, env: dict[str, str]) -> tuple[float, float]:
 
 
 def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    ratios = [row[f"with_{kind}_ms"] / row[f"without_{kind}_ms"] for row in rows]
+    """Medians of the ``kind`` (wall or cpu) times with and without the package, and of the pairs' ratios."""
+    with_ms = [row[f"with_{kind}_ms"] for row in rows]
+    without_ms = [row[f"without_{kind}_ms"] for row in rows]
+    ratio = harness.Spread.of(harness.ratios(with_ms, without_ms))
     return {
-        "median_with_ms": common.median([row[f"with_{kind}_ms"] for row in rows]),
-        "median_without_ms": common.median([row[f"without_{kind}_ms"] for row in rows]),
-        "median_difference_ms": common.median(
-            [row[f"with_{kind}_ms"] - row[f"without_{kind}_ms"] for row in rows]
-        ),
-        "ratio": {"median": common.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "median_with_ms": harness.median(with_ms),
+        "median_without_ms": harness.median(without_ms),
+        "median_difference_ms": harness.median([a - b for a, b in zip(with_ms, without_ms)]),
+        "ratio": ratio.record(),
+        "result": harness.verdict(ratio, floor=None),
+    }
+
+
+def _pair(index: int, with_package: tuple[float, float], without: tuple[float, float]) -> dict[str, Any]:
+    """One pair's record: its wall and CPU times, and which side ran first."""
+    return {
+        "with_wall_ms": with_package[0],
+        "without_wall_ms": without[0],
+        "with_cpu_ms": with_package[1],
+        "without_cpu_ms": without[1],
+        "first": harness.order_of(["with", "without"], index)[0],
     }
 
 
 def measure(with_package: Path, without: Path, pairs: int, warmup: int) -> dict[str, Any]:
     env = clean_env()
-    for _ in range(warmup):
-        time_once(with_package, env)
-        time_once(without, env)
-    rows: list[dict[str, Any]] = []
-    for index in range(pairs):
-        if index % 2 == 0:
-            a = time_once(with_package, env)
-            b = time_once(without, env)
-        else:
-            b = time_once(without, env)
-            a = time_once(with_package, env)
-        rows.append(
-            {
-                "with_wall_ms": a[0],
-                "without_wall_ms": b[0],
-                "with_cpu_ms": a[1],
-                "without_cpu_ms": b[1],
-                "first": "with" if index % 2 == 0 else "without",
-            }
-        )
+    sides = {"with": lambda: time_once(with_package, env), "without": lambda: time_once(without, env)}
+    harness.alternate(sides, warmup)
+    timed = harness.alternate(sides, pairs)
+    rows = [_pair(index, *pair) for index, pair in enumerate(zip(timed["with"], timed["without"]))]
     wall = _summary(rows, "wall")
     return {
         "pairs": pairs,
@@ -166,52 +133,66 @@ VARIANTS: dict[str, str] = {
 }
 
 
+def venvs(workdir: Path) -> tuple[str, Path, Path]:
+    """The wheel's name, the venv with it and the one without; the hook checked live in the first only."""
+    print(f"building the wheel and two venvs in {workdir}", file=sys.stderr)
+    wheel = build_wheel(workdir / "dist")
+    with_package = make_venv(workdir / "with", wheel)
+    without = make_venv(workdir / "without", None)
+    live = _run([str(with_package), "-c", PROBE], env=clean_env()).stdout.strip()
+    absent = _run([str(without), "-c", PROBE], env=clean_env()).stdout.strip()
+    if (live, absent) != ("True", "False"):
+        raise SystemExit(f"the start-up hook is not where it should be: with={live} without={absent}")
+    return wheel.name, with_package, without
+
+
+def show(measured: dict[str, Any], variants: dict[str, Any]) -> None:
+    for kind in ("wall", "cpu"):
+        figures = measured[kind]
+        ratio = harness.Spread(**figures["ratio"]).text()
+        print(
+            f"python -c pass, {kind}: {figures['median_with_ms']:.2f} ms with the package, "
+            f"{figures['median_without_ms']:.2f} ms without, "
+            f"difference {figures['median_difference_ms']:.2f} ms; "
+            f"ratio {ratio} (median of {measured['pairs']} pairs): {figures['result']}"
+        )
+    print(f"goal {measured['goal']}: {'met' if measured['met'] else 'NOT met'}")
+    for name, figures in variants.items():
+        print(
+            f"variant, {name}: difference {figures['cpu']['median_difference_ms']:.2f} ms CPU, "
+            f"ratio {figures['wall']['ratio']['median']:.3f} wall, "
+            f"{figures['cpu']['ratio']['median']:.3f} CPU"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--pairs", type=int, default=100, help="paired runs (at least 30; default 100)")
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument(
-        "--workdir", type=Path, help="where to build the wheel and venvs (default: a temp dir)"
-    )
-    parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--output", type=Path)
-    parser.add_argument(
-        "--variants", action="store_true", help="also measure candidate changes to the start-up hook"
-    )
+    parser.add_argument("--variants", action="store_true", help="also time candidate changes to the hook")
     args = parser.parse_args(argv)
     if args.pairs < 30:
         parser.error("--pairs must be at least 30")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bnb-gc-fix-startup-"))
-    workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    try:
-        print(f"building the wheel and two venvs in {workdir}", file=sys.stderr)
-        wheel = build_wheel(workdir / "dist")
-        with_package = make_venv(workdir / "with", wheel)
-        without = make_venv(workdir / "without", None)
-        env = clean_env()
-        live = _run([str(with_package), "-c", PROBE], env=env).stdout.strip()
-        absent = _run([str(without), "-c", PROBE], env=env).stdout.strip()
-        if (live, absent) != ("True", "False"):
-            raise SystemExit(f"the start-up hook is not where it should be: with={live} without={absent}")
+    variants: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bnb-gc-fix-startup-") as folder:
+        workdir = Path(folder)
+        wheel, with_package, without = venvs(workdir)
         print(f"timing {args.pairs} pairs of `python -c pass`", file=sys.stderr)
         measured = measure(with_package, without, args.pairs, args.warmup)
-        variants: dict[str, Any] = {}
         for index, (name, pth) in enumerate(VARIANTS.items() if args.variants else ()):
             python = _variant(workdir / "with", workdir / f"variant-{index}", pth)
             print(f"timing {args.pairs} pairs: {name}", file=sys.stderr)
             figures = measure(python, without, args.pairs, args.warmup)
             variants[name] = {kind: figures[kind] for kind in ("wall", "cpu")}
-    finally:
-        if not args.keep and args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
     result: dict[str, Any] = {
         "benchmark": "startup",
-        "machine": common.machine(),
+        "machine": harness.machine(),
         "command": "python -c pass",
-        "wheel": wheel.name,
+        "wheel": wheel,
         "environments": (
             "two venvs made by `python -m venv` from the same interpreter, both with wrapt and "
             "packaging pinned to the running environment's versions; the wheel installed "
@@ -227,23 +208,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "variants": variants,
         "wall_s": time.perf_counter() - started,
     }
-    output: Path = args.output or common.RESULTS / "startup.json"
-    common.write_json(output, result)
-    for kind in ("wall", "cpu"):
-        figures = measured[kind]
-        print(
-            f"python -c pass, {kind}: {figures['median_with_ms']:.2f} ms with the package, "
-            f"{figures['median_without_ms']:.2f} ms without, "
-            f"difference {figures['median_difference_ms']:.2f} ms; "
-            f"ratio {figures['ratio']['median']:.3f} (median of {args.pairs} pairs)"
-        )
-    print(f"goal {measured['goal']}: {'met' if measured['met'] else 'NOT met'}")
-    for name, figures in variants.items():
-        print(
-            f"variant, {name}: difference {figures['cpu']['median_difference_ms']:.2f} ms CPU, "
-            f"ratio {figures['wall']['ratio']['median']:.3f} wall, "
-            f"{figures['cpu']['ratio']['median']:.3f} CPU"
-        )
+    harness.write_json(args.output or harness.RESULTS / "startup.json", result)
+    show(measured, variants)
     return result
 
 
