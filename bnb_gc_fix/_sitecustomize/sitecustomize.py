@@ -29,8 +29,9 @@ def _load_users_sitecustomize() -> None:
 
 try:
     from _bnb_gc_fix_boot import install_quietly
+    from _bnb_gc_fix_vocabulary import VIA_RUNNER
 except Exception:
     pass
 else:
-    install_quietly(via="runner")
+    install_quietly(via=VIA_RUNNER)
 _load_users_sitecustomize()
