@@ -1,17 +1,25 @@
 """pytest plugin: report the tests and fixtures that leave torch's parametrization cache switched on.
 
-Opt in with ``--parametrize-cache-check`` (warn), ``--parametrize-cache-check-mode=warn|fail|off`` or the
-ini option. A hold kept on purpose has a live owner, a ``P.cached()`` context entered and not exited: a
-fixture's if it appeared in its setup. Any other change of the counter by a fixture's setup or teardown,
-a context it holds after its finalizer, and after a test a counter other than the live fixtures' holds
-(or tensors cached at 0) is a leak: reported, released, summarised. pytest imports this module in every
-run, so it imports only the standard library and pytest: importing ``bnb_gc_fix`` activates the fix.
+Opt in with ``--parametrize-cache-check`` (warn mode), with ``--parametrize-cache-check-mode=warn|fail|off``,
+or with the ini option ``parametrize_cache_check``.
+
+A hold kept on purpose has a live owner: a ``P.cached()`` context entered and not yet exited. Such a
+context belongs to a fixture when it appeared during that fixture's setup. Everything else is a leak,
+which is reported, released at once and summarised at the end of the session:
+
+* a change of the counter by a fixture's setup or teardown that no such context accounts for;
+* a context that a fixture still holds after its finalizer;
+* after a test, a counter other than the holds the live fixtures own, or tensors left cached at 0.
+
+pytest imports this module in every run, so it imports only the standard library, pytest and the leaf
+module ``_bnb_gc_fix_cache``: importing ``bnb_gc_fix`` would activate the fix.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import gc
 import inspect
@@ -20,22 +28,33 @@ import sys
 import types
 import weakref
 from collections.abc import Generator, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 import _bnb_gc_fix_cache as cache
 
-OFF, WARN, FAIL = MODES = ("off", "warn", "fail")
+OFF = "off"
+WARN = "warn"
+FAIL = "fail"
+MODES = (OFF, WARN, FAIL)
 
-OPTION, MODE_OPTION = "--parametrize-cache-check", "--parametrize-cache-check-mode"
+OPTION = "--parametrize-cache-check"
+MODE_OPTION = "--parametrize-cache-check-mode"
 INI = "parametrize_cache_check"
-# The user property, one per leak, of the teardown report of the test under way (junit XML shows it):
-# `who` (the test's node id, or "fixture 'NAME' (SCOPE scope)"), `counter`, `bytes`, `message`.
+# The junit user property: one per leak, on the teardown report of the test under way (junit XML shows
+# it). Its value is Leak.as_property(): the keys `who`, `counter`, `cached_bytes` and `message`.
 PROPERTY = "parametrize_cache_leak"
 
 _SWITCH = "parametrize_cache_check_switch"
 _PLUGIN_NAME = "bnb_gc_fix_parametrize_cache_check"
+
+# The word status().state reports while the fix is patching: bnb_gc_fix.activation.State.PATCHED's
+# value. It is spelled out here because this module must not import the package, and the standard-library
+# leaf modules it may import (_bnb_gc_fix_vocabulary, _bnb_gc_fix_cache) do not name the states.
+_PATCHED = "patched"
+# Where the summary places the leaks of fixtures finalised after the last test report.
+_SESSION_END = "the end of the session"
 
 _CAUSE_NEGATIVE = (
     "a hold given back twice: the cache-off hook (_disable_parametrization_cache) or a P.cached() exit ran "
@@ -43,6 +62,42 @@ _CAUSE_NEGATIVE = (
 )
 _CAUSE_CACHE = "the counter was put back to 0 without emptying P._cache"
 _CAUSE_KEPT = "its finalizer did not exit a P.cached() context it entered, which something still keeps alive"
+
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leak:
+    """One leak: who left torch's parametrization cache switched on, what was held then, and the line
+    that reports it. Built with keyword arguments."""
+
+    who: str  # the test's node id, or "fixture 'NAME' (SCOPE scope)"
+    counter: int  # P._cache_enabled when the leak was found, before its release
+    cached_bytes: int  # the bytes of the tensors in P._cache then
+    message: str  # the line the warning or the error shows
+    # Where the summary places it: the node id of the test whose report carried it, or _SESSION_END.
+    # It is empty until then, and it is no part of PROPERTY's value.
+    at: str = ""
+
+    def as_property(self) -> dict[str, Any]:
+        """PROPERTY's value: a JSON-ready dict, since junit XML and xdist carry it between processes."""
+        return {
+            "who": self.who,
+            "counter": self.counter,
+            "cached_bytes": self.cached_bytes,
+            "message": self.message,
+        }
+
+    @classmethod
+    def from_property(cls, value: dict[str, Any], *, at: str) -> Leak:
+        """The leak a PROPERTY value describes, carried by the report of test ``at``."""
+        return cls(
+            who=str(value.get("who", at)),
+            counter=int(value["counter"]),
+            cached_bytes=int(value["cached_bytes"]),
+            message=str(value.get("message", "")),
+            at=at,
+        )
 
 
 class ParametrizeCacheLeakWarning(pytest.PytestWarning):
@@ -66,7 +121,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="warn (a warning per leak), fail (an error in the phase it happened in) or off; turns the "
         "check on by itself",
     )
-    for mode in MODES:  # the first spelling, --parametrize-cache-check=fail; not in --help
+    # The first spelling, --parametrize-cache-check=fail, still works; --help does not show it.
+    for mode in MODES:
         group.addoption(
             f"{OPTION}={mode}", action="store_const", const=mode, dest=INI, help=argparse.SUPPRESS
         )
@@ -79,6 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
     mode = str(raw).strip().lower()
     if mode not in MODES:
         raise pytest.UsageError(f"{INI} = {raw!r}: expected one of {', '.join(MODES)}")
+    # The plain switch keeps a mode the ini file asks for, and means warn where nothing asks for one.
     if mode == OFF and chosen is None and config.getoption(_SWITCH):
         mode = WARN
     if mode != OFF:
@@ -86,22 +143,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _fix_state() -> str:
-    """Whether bnb-gc-fix was patching in this process, without importing it: its own status() where the
-    process imported it (the switch as its activation read it), else the environment's switch."""
+    """Whether bnb-gc-fix was patching in this process, found without importing it.
+
+    Where the process imported it, its own status() says (with the switch as its activation read it);
+    elsewhere, the environment's switch is all there is to tell.
+    """
     status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
     if status is None:
         return f"bnb-gc-fix: not loaded in this process ({_switch_text(os.environ.get('BNB_GC_FIX'))})"
     try:
         now = status()
-    except Exception as error:  # a report line must never break the run
+    except Exception as error:  # A report line must never break the run.
         return f"bnb-gc-fix: status unknown ({type(error).__name__})"
-    if now.state == "patched":
+    if now.state == _PATCHED:
         return "bnb-gc-fix: patching"
     return f"bnb-gc-fix: not patching ({now.state}; {_switch_text(now.switch)})"
 
 
 def _switch_text(switch: str | None) -> str:
-    return "BNB_GC_FIX unset" if switch is None else f"BNB_GC_FIX={switch!r}"
+    if switch is None:
+        return "BNB_GC_FIX unset"
+    return f"BNB_GC_FIX={switch!r}"
 
 
 def _suspended(generator: Any) -> bool:
@@ -117,8 +179,89 @@ def _owners() -> list[Any]:
     ]
 
 
+def _release(close: Sequence[Any], keep: int | None) -> int:
+    """Release the cache, and return the counter it is left at.
+
+    First the contexts ``close`` are closed: each one's own exit gives its hold back, and empties the
+    cache at 0. Then the counter is set to ``keep`` holds, unless ``keep`` is None.
+    """
+    for owner in close:
+        owner.close()
+    if keep is None:
+        return cache.counter()
+    cache.reset(keep=keep)
+    return keep
+
+
 def _who(fixturedef: pytest.FixtureDef[Any]) -> str:
     return f"fixture '{fixturedef.argname}' ({fixturedef.scope} scope)"
+
+
+def _drain(queue: list[_T]) -> list[_T]:
+    """Empty ``queue``, and return what it held."""
+    taken = list(queue)
+    queue.clear()
+    return taken
+
+
+def _warn_troubles(item: pytest.Item, troubles: list[str]) -> None:
+    """Warn of the check's own failures; a warning that fails (``-W error``) is dropped."""
+    for text in troubles:
+        with contextlib.suppress(Exception):
+            item.warn(ParametrizeCacheLeakWarning(f"{item.nodeid}: {text}"))
+
+
+def _attach(item: pytest.Item, report: pytest.TestReport, leaks: list[Leak], when: str) -> None:
+    """Give each leak's PROPERTY to the test's later reports, and to this one if it is the teardown's."""
+    for leak in leaks:
+        value = leak.as_property()
+        item.user_properties.append((PROPERTY, value))
+        if when == "teardown":
+            report.user_properties.append((PROPERTY, value))
+
+
+def _warned(item: pytest.Item, leaks: list[Leak]) -> bool:
+    """Warn of each leak. False where ``-W error`` made a warning an error, which the caller then
+    reports as one."""
+    try:
+        for leak in leaks:
+            item.warn(ParametrizeCacheLeakWarning(leak.message))
+    except Exception:
+        return False
+    return True
+
+
+def _fail(report: pytest.TestReport, leaks: list[Leak]) -> None:
+    """Turn the report of the phase under way into an error that gives each leak's line."""
+    report.outcome = "failed"
+    report.longrepr = "\n".join(leak.message for leak in leaks)
+
+
+def _leak_line(leak: Leak) -> str:
+    """The summary's line for one leak; a fixture's names the test it was reported at."""
+    where = ""
+    if leak.who != leak.at:
+        where = f", at {leak.at}"
+    return f"LEAK {leak.who}{where}: P._cache_enabled = {leak.counter}, {leak.cached_bytes} bytes cached"
+
+
+def _plural(count: int, noun: str) -> str:
+    if count > 1:
+        return f"{count} {noun}s"
+    return f"{count} {noun}"
+
+
+def _total_line(leaks: list[Leak], mode: str) -> str:
+    """The summary's last line: how many tests and fixtures leaked, and the bytes they held."""
+    # A test's own leak is carried by its own report; a fixture's names the fixture instead.
+    tests = sum(leak.who == leak.at for leak in leaks)
+    fixtures = len(leaks) - tests
+    counts = [_plural(n, noun) for n, noun in ((tests, "test"), (fixtures, "fixture")) if n]
+    total = sum(leak.cached_bytes for leak in leaks)
+    return (
+        f"{' and '.join(counts)} left torch's parametrization cache switched on, {total} bytes held in "
+        f"all (released after each; mode {mode})"
+    )
 
 
 class CacheCheck:
@@ -126,70 +269,83 @@ class CacheCheck:
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
-        # By id of a FixtureDef: the P.cached() contexts each live fixture entered in its setup, and the
-        # counter and those of its holds still owned when its teardown began.
+        # By id of a FixtureDef: the P.cached() contexts each live fixture entered in its setup.
         self.owned: dict[int, list[weakref.ref[Any]]] = {}
+        # By id of a FixtureDef: the counter when its teardown began, and how many of the fixture's
+        # holds it still owned then.
         self.teardowns: dict[int, tuple[int, int]] = {}
-        self.setups: list[int] = []  # holds owned by fixtures set up inside each setup under way
-        self.found: list[dict[str, Any]] = []  # leaks (PROPERTY's values) to report with the next test report
-        self.troubles: list[str] = []  # the check's own failures, reported as warnings: never breaking
-        self.leaks: list[tuple[str, str, int, int]] = []  # (who, test node id, counter, bytes) per leak
+        # One entry per fixture setup under way: the holds owned by the fixtures set up inside it.
+        self.setups: list[int] = []
+        # Leaks found since the last test report; the next one reports them.
+        self.found: list[Leak] = []
+        # The check's own failures, reported as warnings: the check never breaks a run.
+        self.troubles: list[str] = []
+        # Every leak the test reports carried, for the summary (on xdist's controller, the workers').
+        self.leaks: list[Leak] = []
 
     def pytest_report_header(self) -> str:
         return f"parametrize-cache-check: {self.mode} (bnb-gc-fix)"
 
     @contextlib.contextmanager
     def _guard(self, where: str) -> Iterator[None]:
+        """Keep an exception raised by the check as a trouble, for the next report to warn of."""
         try:
             yield
-        except Exception as error:  # the check must never break the run
+        except Exception as error:  # The check must never break the run.
             self.troubles.append(f"the parametrize cache check failed {where}: {error!r}")
 
     def _claimed(self) -> set[int]:
         return {id(ref()) for refs in self.owned.values() for ref in refs}
 
+    def _unclaimed(self) -> list[Any]:
+        """The live ``P.cached()`` contexts that no fixture owns."""
+        claimed = self._claimed()
+        return [owner for owner in _owners() if id(owner) not in claimed]
+
     def _report(
         self, who: str, what: str, cause: str, after: int | None, close: Sequence[Any] = (), note: str = ""
     ) -> None:
-        """Queue one leak's line, then release: close the contexts ``close`` (their own exit gives their
-        hold back, and empties the cache at 0), and set the counter to ``after`` unless None."""
-        counter, cached = cache.counter(), cache.cached_bytes()
-        for owner in close:
-            owner.close()
-        if after is None:
-            after = cache.counter()
-        else:
-            cache.reset(keep=after)
-        emptied = ", cache emptied" if after == 0 else ""
-        line = (
+        """Queue one leak's line, then release the cache: close the contexts ``close``, and set the
+        counter to ``after`` unless it is None (see :func:`_release`)."""
+        counter = cache.counter()
+        cached = cache.cached_bytes()
+        after = _release(close, after)
+        emptied = ""
+        if after == 0:
+            emptied = ", cache emptied"
+        message = (
             f"{who} {what}: P._cache_enabled = {counter}{note}, {cached} bytes cached; {cause}; "
             f"{_fix_state()}. Released (counter {after}{emptied}) so later tests start clean."
         )
-        self.found.append({"who": who, "counter": counter, "bytes": cached, "message": line})
+        self.found.append(Leak(who=who, counter=counter, cached_bytes=cached, message=message))
 
     def _fixture_changed(self, fixturedef: pytest.FixtureDef[Any], phase: str, change: int) -> None:
         """Report and undo what a fixture's setup or teardown did to the counter beyond the holds it owns."""
         if change == 0:
             return
         if change > 0:
-            what = f"left torch's parametrization cache switched on in its {phase}"
-            what, cause = f"{what} (+{change} that no P.cached() context holds)", cache.CAUSE
+            what = (
+                f"left torch's parametrization cache switched on in its {phase} "
+                f"(+{change} that no P.cached() context holds)"
+            )
+            cause = cache.CAUSE
         else:
-            what, cause = f"gave back more holds than it took in its {phase} ({change})", _CAUSE_NEGATIVE
+            what = f"gave back more holds than it took in its {phase} ({change})"
+            cause = _CAUSE_NEGATIVE
         self._report(_who(fixturedef), what, cause, cache.counter() - change)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]) -> Generator[None, Any, None]:
         before = cache.counter()
-        self.setups.append(0)  # what fixtures set up inside this one own is theirs, not this one's
+        # What the fixtures set up inside this one own is theirs, not this one's.
+        self.setups.append(0)
         yield
         inner = self.setups.pop()
         with self._guard(f"after the setup of {_who(fixturedef)}"):
             rise = cache.counter() - before - inner
             owners: list[Any] = []
-            if rise > 0:  # a hold kept on purpose has an owner that appeared with it
-                claimed = self._claimed()
-                owners = [owner for owner in _owners() if id(owner) not in claimed][:rise]
+            if rise > 0:  # A hold kept on purpose has an owner that appeared with it.
+                owners = self._unclaimed()[:rise]
                 self.owned[id(fixturedef)] = [weakref.ref(owner) for owner in owners]
             if self.setups:
                 self.setups[-1] += inner + len(owners)
@@ -200,99 +356,102 @@ class CacheCheck:
     def _teardown_begins(self, fixturedef: pytest.FixtureDef[Any]) -> None:
         with self._guard(f"before the teardown of {_who(fixturedef)}"):
             refs = self.owned.get(id(fixturedef), [])
-            self.teardowns[id(fixturedef)] = (cache.counter(), sum(_suspended(ref()) for ref in refs))
+            counter = cache.counter()
+            held = sum(_suspended(ref()) for ref in refs)
+            self.teardowns[id(fixturedef)] = (counter, held)
 
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any]) -> None:
         refs = self.owned.pop(id(fixturedef), [])
         start = self.teardowns.pop(id(fixturedef), None)
-        if start is None:  # not set up since its last finalisation
+        if start is None:  # It was not set up again since its last finalisation.
             return
         with self._guard(f"after the teardown of {_who(fixturedef)}"):
             counter, held = start
-            kept: list[Any] = [owner for owner in (ref() for ref in refs) if _suspended(owner)]
-            change = cache.counter() - (counter - held + len(kept))
+            referents = (ref() for ref in refs)
+            kept: list[Any] = [owner for owner in referents if _suspended(owner)]
+            # Its teardown should have given back the holds it owned, except those it still keeps.
+            expected = counter - held + len(kept)
+            change = cache.counter() - expected
             if kept:
                 what = f"still held {len(kept)} P.cached() context(s) it entered after its finalizer"
                 self._report(_who(fixturedef), what, _CAUSE_KEPT, None, close=kept)
             self._fixture_changed(fixturedef, "teardown", change)
 
     def check(self, nodeid: str) -> None:
-        """After a test's teardown: the counter must be the holds live fixtures own, the cache empty at 0."""
+        """After a test's teardown, the counter must be the holds the live fixtures own, and the cache
+        must be empty where that is 0; anything else is the test's leak."""
         counter = cache.counter()
         keep = sum(_suspended(ref()) for refs in self.owned.values() for ref in refs)
-        if counter == keep and (keep != 0 or not getattr(cache.parametrize(), "_cache", None)):
+        empty = not getattr(cache.parametrize(), "_cache", None)
+        if counter == keep and (keep != 0 or empty):
             return
         orphans: list[Any] = []
         if counter > keep:
-            what, cause = "left torch's parametrization cache switched on", cache.CAUSE
-            claimed = self._claimed()  # a P.cached() context the test left open is closed, not reset
-            orphans = [owner for owner in _owners() if id(owner) not in claimed]
+            what = "left torch's parametrization cache switched on"
+            cause = cache.CAUSE
+            # A P.cached() context the test left open is closed, so that its own exit gives its hold back.
+            orphans = self._unclaimed()
         elif counter < 0:
-            what, cause = "left torch's parametrization cache counter below zero", _CAUSE_NEGATIVE
+            what = "left torch's parametrization cache counter below zero"
+            cause = _CAUSE_NEGATIVE
         elif counter < keep:
-            what, cause = "gave back a hold a live fixture took", _CAUSE_NEGATIVE
+            what = "gave back a hold a live fixture took"
+            cause = _CAUSE_NEGATIVE
         else:
-            what, cause = "left tensors in torch's parametrization cache", _CAUSE_CACHE
-        self._report(nodeid, what, cause, keep, orphans, f" ({keep} held by live fixtures)" if keep else "")
+            what = "left tensors in torch's parametrization cache"
+            cause = _CAUSE_CACHE
+        note = ""
+        if keep:
+            note = f" ({keep} held by live fixtures)"
+        self._report(nodeid, what, cause, keep, orphans, note)
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, Any, None]:
-        # Made right after its phase: in the teardown's, every fixture that ended with this test is finalised.
+        # The report is made right after its phase; by the teardown's, every fixture that ended with this
+        # test is finalised, so the test's own check runs then.
         if call.when == "teardown":
             with self._guard(f"after {item.nodeid}"):
                 self.check(item.nodeid)
-        found, self.found = self.found, []
-        troubles, self.troubles = self.troubles, []
+        found = _drain(self.found)
+        troubles = _drain(self.troubles)
         outcome = yield
         report = outcome.get_result()
-        for text in troubles:
-            with contextlib.suppress(Exception):
-                item.warn(ParametrizeCacheLeakWarning(f"{item.nodeid}: {text}"))
+        _warn_troubles(item, troubles)
         if not found:
             return
-        for leak in found:
-            item.user_properties.append((PROPERTY, leak))  # the test's later reports carry it too
-            if call.when == "teardown":
-                report.user_properties.append((PROPERTY, leak))
+        _attach(item, report, found, call.when)
+        self._warn_or_fail(item, report, found)
+
+    def _warn_or_fail(self, item: pytest.Item, report: pytest.TestReport, leaks: list[Leak]) -> None:
+        """A warning per leak in warn mode, or where the phase failed already; else the phase fails.
+
+        A warning that ``-W error`` made an error fails the phase too, unless it had failed already.
+        """
         if self.mode == WARN or not report.passed:
-            try:
-                for leak in found:
-                    item.warn(ParametrizeCacheLeakWarning(leak["message"]))
+            warned = _warned(item, leaks)
+            if warned or not report.passed:
                 return
-            except Exception:  # -W error made the warning an error: report it as one
-                if not report.passed:
-                    return
-        report.outcome = "failed"
-        report.longrepr = "\n".join(leak["message"] for leak in found)
+        _fail(report, leaks)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "teardown":
             return
         for name, value in report.user_properties:
             if name == PROPERTY and isinstance(value, dict):
-                who = str(value.get("who", report.nodeid))
-                self.leaks.append((who, report.nodeid, int(value["counter"]), int(value["bytes"])))
+                self.leaks.append(Leak.from_property(value, at=report.nodeid))
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if hasattr(terminalreporter.config, "workerinput"):  # an xdist worker: the controller reports
+        if hasattr(terminalreporter.config, "workerinput"):  # On an xdist worker: the controller reports.
             return
         # Fixtures finalised after the last test report (an interrupted run): their leaks are here only.
-        self.leaks += [(x["who"], "the end of the session", x["counter"], x["bytes"]) for x in self.found]
+        self.leaks += [dataclasses.replace(leak, at=_SESSION_END) for leak in self.found]
         write = terminalreporter.write_line
         terminalreporter.write_sep("=", "parametrize cache check")
         if not self.leaks:
             write("no test or fixture left torch's parametrization cache switched on")
             return
-        for who, nodeid, counter, cached in self.leaks:
-            where = "" if who == nodeid else f", at {nodeid}"
-            write(f"LEAK {who}{where}: P._cache_enabled = {counter}, {cached} bytes cached")
-        tests = sum(who == nodeid for who, nodeid, _, _ in self.leaks)
-        kinds = ((tests, "test"), (len(self.leaks) - tests, "fixture"))
-        counts = [f"{n} {noun}{'s' if n > 1 else ''}" for n, noun in kinds if n]
-        total = sum(cached for _, _, _, cached in self.leaks)
-        write(
-            f"{' and '.join(counts)} left torch's parametrization cache switched on, {total} bytes held in "
-            f"all (released after each; mode {self.mode})"
-        )
+        for leak in self.leaks:
+            write(_leak_line(leak))
+        write(_total_line(self.leaks, self.mode))

@@ -92,8 +92,12 @@ def _counters(values: list[int] | None) -> str:
 
 
 def _property(test: dict[str, Any], key: str) -> Any:
+    """What a test recorded with record_property under ``key``, or None. junit XML holds the value as
+    str() wrote it, so Python's True and False become JSON's before it is read."""
     value = test.get(key)
-    return json.loads(value.replace("True", "true").replace("False", "false")) if value else None
+    if not value:
+        return None
+    return json.loads(value.replace("True", "true").replace("False", "false"))
 
 
 def _tests(cell: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
@@ -102,7 +106,8 @@ def _tests(cell: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
     for test in cell["tests"]:
         function = test["test"].rsplit("::", 1)[-1]
         if function.split("[")[0] == name and test["outcome"] != "skipped":
-            found[function[len(name) + 1 : -1] if "[" in function else ""] = test
+            parameter = function[len(name) + 1 : -1] if "[" in function else ""
+            found[parameter] = test
     return found
 
 
@@ -121,26 +126,33 @@ def _verdict(cell: dict[str, Any]) -> str:
 def _matrix_rows(cell: dict[str, Any]) -> list[str]:
     """A matrix cell (tests/test_versions.py): one row per checkpointing variant it trained."""
     python, torch, bnb, transformers = _versions(cell)
-    fixes, controls = _tests(cell, FIX_TEST), _tests(cell, CONTROL_TEST)
+    fixes = _tests(cell, FIX_TEST)
+    controls = _tests(cell, CONTROL_TEST)
     rows = []
     if not fixes:  # no bitsandbytes, or one without bitsandbytes.nn.parametrize
         if bnb == "not installed":
-            leak, does = "no", "nothing; imports cleanly, `status` says why"
+            leak = "no"
+            does = "nothing; imports cleanly, `status` says why"
         else:
-            leak, does = "no: no `bitsandbytes.nn.parametrize`", "nothing; `status` says why"
+            leak = "no: no `bitsandbytes.nn.parametrize`"
+            does = "nothing; `status` says why"
         rows.append([python, torch, bnb, transformers, leak, does, "-"])
     for variant, fix in fixes.items():
         control = controls.get(variant, {})
-        kind, leaked = _property(fix, "kind"), _property(control, "counters") or []
+        kind = _property(fix, "kind")
+        leaked = _property(control, "counters") or []
         shown = transformers
         if transformers.startswith("4."):
             shown += f", `use_reentrant={_property(fix, 'use_reentrant')}`"
         if kind == "fixed-upstream":
-            leak, does = f"no: upstream fix (counter {_counters(leaked)})", "steps aside"
+            leak = f"no: upstream fix (counter {_counters(leaked)})"
+            does = "steps aside"
         elif any(leaked):
-            leak, does = f"**yes**: counter {_counters(leaked)}", "patches"
+            leak = f"**yes**: counter {_counters(leaked)}"
+            does = "patches"
         else:
-            leak, does = f"no: reentrant checkpointing (counter {_counters(leaked)})", "patches (harmless)"
+            leak = f"no: reentrant checkpointing (counter {_counters(leaked)})"
+            does = "patches (harmless)"
         rows.append(
             [python, torch, bnb, shown, leak, does, f"counter {_counters(_property(fix, 'counters'))}"]
         )
@@ -152,7 +164,8 @@ def _stack_row(cell: dict[str, Any]) -> str:
     python, torch, bnb, transformers = _versions(cell)
     fix = next(iter(_tests(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero").values()), {})
     control = next(iter(_tests(cell, "test_tiny_olmoe_control_leaks_without_fix").values()), {})
-    fixed, leaked = _property(fix, "counters") or [], _property(control, "counters") or []
+    fixed = _property(fix, "counters") or []
+    leaked = _property(control, "counters") or []
     does = "patches" if _property(fix, "active") is True else "steps aside"
     leak = f"no: upstream fix (counter {_counters(leaked)})" if does == "steps aside" else "no"
     if any(leaked):
@@ -335,37 +348,62 @@ def show_diff(document: Path, before: str, after: str) -> str:
     return "\n".join(lines)
 
 
-def _check(matrix: dict[str, Any], console: bool) -> int:
-    failed = 0
+def _table_matches(matrix: dict[str, Any]) -> bool:
+    """Whether docs/matrix.md's table is the one the matrix results render; if not, say so."""
     page = MATRIX_PAGE.read_text()
     table = render(matrix)
-    if _replace(page, table) != page:
-        print("docs/matrix.md's table differs from the matrix results, which say:\n", file=sys.stderr)
-        print(table, file=sys.stderr)
-        failed = 1
-    for document in documents() if console else []:
-        text = document.read_text()
-        if ungenerated_console_fences(text):
-            print(f"{document.name}: a console block outside <!-- NAME-output --> markers", file=sys.stderr)
-            failed = 1
-        for name in console_blocks(text):
-            committed, now = block_now(document, name)
-            if committed != now:
-                diff = show_diff(document, committed, now)
-                print(f"{document.name}: {name} differs:\n{diff}\n", file=sys.stderr)
-                failed = 1
-    if quick_start_commands() != ci_commands():
-        print(
-            f"README.md's Quick start commands {quick_start_commands()} are not the lines .ci/run "
-            f"runs {ci_commands()}",
-            file=sys.stderr,
-        )
-        failed = 1
-    if failed:
-        recorded, here = recorded_environment(), environment()
-        if console and recorded != here:
-            print(f"(the blocks were generated with {recorded}; this is {here})", file=sys.stderr)
-        print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
+    if _replace(page, table) == page:
+        return True
+    print("docs/matrix.md's table differs from the matrix results, which say:\n", file=sys.stderr)
+    print(table, file=sys.stderr)
+    return False
+
+
+def _console_matches(document: Path) -> bool:
+    """Whether every console block of ``document`` is generated and shows what its commands print now;
+    if not, say where."""
+    text = document.read_text()
+    matches = True
+    if ungenerated_console_fences(text):
+        print(f"{document.name}: a console block outside <!-- NAME-output --> markers", file=sys.stderr)
+        matches = False
+    for name in console_blocks(text):
+        committed, now = block_now(document, name)
+        if committed != now:
+            diff = show_diff(document, committed, now)
+            print(f"{document.name}: {name} differs:\n{diff}\n", file=sys.stderr)
+            matches = False
+    return matches
+
+
+def _quick_start_matches() -> bool:
+    """Whether README.md's Quick start is the lines .ci/run runs; if not, say so."""
+    readme = quick_start_commands()
+    ci = ci_commands()
+    if readme == ci:
+        return True
+    print(f"README.md's Quick start commands {readme} are not the lines .ci/run runs {ci}", file=sys.stderr)
+    return False
+
+
+def _print_remedy(console: bool) -> None:
+    """After a mismatch: the environment the blocks were made in, where it differs, and what to run."""
+    recorded = recorded_environment()
+    here = environment()
+    if console and recorded != here:
+        print(f"(the blocks were generated with {recorded}; this is {here})", file=sys.stderr)
+    print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
+
+
+def _check(matrix: dict[str, Any], console: bool) -> int:
+    """``--check``: 0 when everything generated matches, else 1. Every comparison runs, so that each
+    mismatch is told at once."""
+    matches = [_table_matches(matrix)]
+    if console:
+        matches += [_console_matches(document) for document in documents()]
+    matches.append(_quick_start_matches())
+    if not all(matches):
+        _print_remedy(console)
         return 1
     print("docs/matrix.md's table, the console output of README.md and docs/, and the Quick start match")
     return 0

@@ -7,9 +7,11 @@ control beside it (the same file with ``BNB_GC_FIX=0``, or with the check off).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -360,6 +362,28 @@ def test_the_switch_stands_before_paths_and_the_mode_is_an_option_of_its_own(
         fail.stdout.fnmatch_lines(
             ["parametrize-cache-check: fail (bnb-gc-fix)", "ERROR suite/test_bump.py::test_leaks*"]
         )
+
+
+def test_each_leak_is_a_junit_property_of_its_test(unfixed: pytest.Pytester) -> None:
+    (unfixed.path / "test_bump.py").write_text(COUNTER_BUMP)
+    run = _run(unfixed, "--parametrize-cache-check", "--junitxml=report.xml")
+    run.assert_outcomes(passed=2, warnings=1)
+    testcases = ET.parse(unfixed.path / "report.xml").getroot().iter("testcase")
+    properties = {
+        case.get("name"): [
+            p.get("value") for p in case.iter("property") if p.get("name") == "parametrize_cache_leak"
+        ]
+        for case in testcases
+    }
+    assert properties["test_after_starts_clean"] == [], properties
+    (value,) = properties["test_leaks"]
+    leak = ast.literal_eval(value)  # junit XML writes the dict as str() does
+    assert set(leak) == {"who", "counter", "cached_bytes", "message"}
+    assert leak["who"] == "test_bump.py::test_leaks"
+    assert (leak["counter"], leak["cached_bytes"]) == (1, 0)
+    assert leak["message"].startswith(
+        "test_bump.py::test_leaks left torch's parametrization cache switched on"
+    )
 
 
 FIXTURE_HOLDS = """
