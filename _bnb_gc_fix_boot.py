@@ -52,8 +52,6 @@ _WATCHED = frozenset((_TRIGGER, *(library.module for library in vocabulary.LIBRA
 started_by: "str | None" = None
 #: The start-up path whose watcher fired (saw bitsandbytes' code about to run); None until one has.
 trigger: "str | None" = None
-#: Why the watcher could not load the package, if it could not; None otherwise.
-failure: "str | None" = None
 
 
 def import_ours(name: str) -> "ModuleType":
@@ -140,7 +138,7 @@ class BitsandbytesWatcher:
     def fire(self) -> None:
         """Import the package from :data:`HERE`, which activates the fix; once only. Never raises into
         the importer: a broken install must never break ``import bitsandbytes``."""
-        global trigger, failure
+        global trigger
         if self.fired or self.via is None:
             return
         self.fired = True
@@ -149,8 +147,8 @@ class BitsandbytesWatcher:
             for name in _OUR_MODULES:
                 import_ours(name)
             import_ours("bnb_gc_fix")  # its last line activates the fix
-        except Exception as error:
-            failure = f"{type(error).__name__}: {error}"
+        except Exception:  # a broken install: bitsandbytes imports as if we were not here
+            pass
 
 
 class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none

@@ -90,18 +90,56 @@ def _reference(function: object) -> str:
     return f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
 
 
-def _gate_hooks(module: torch.nn.Module, enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
-    """The module's own gate's hooks if it has a gate, else a new gate's, standing in for ``enable``
-    and for its library's disable function."""
-    for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, gate.EnterHook):
-            for other in module._forward_hooks.values():
-                if isinstance(other, gate.LeaveHook) and other.gate is hook.gate:
-                    return hook, other
+def _existing_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.LeaveHook] | None:
+    """The module's own gate's two hooks, if it has a gate."""
+    enter = next(
+        (hook for hook in module._forward_pre_hooks.values() if isinstance(hook, gate.EnterHook)), None
+    )
+    if enter is None:
+        return None
+    for hook in module._forward_hooks.values():
+        if isinstance(hook, gate.LeaveHook) and hook.gate is enter.gate:
+            return enter, hook
+    return None
+
+
+def _new_hooks(enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
+    """A new gate's hooks, standing in for the enable function ``enable`` and its library's disable
+    function (in the same module)."""
     enable_reference = _reference(enable)
     origin = enable_reference.split(":")[0]
     disable_name = _DISABLE_OF.get(getattr(enable, "__name__", ""), vocabulary.BITSANDBYTES.disable_hook)
     return gate.new_hooks(enable_reference, f"{origin}:{disable_name}")
+
+
+def _put_enter_hook(module: torch.nn.Module, enables: list[int], enter: gate.EnterHook) -> None:
+    """The gate's pre-hook where the first enable hook (or an earlier gate's pre-hook) was."""
+    pre_hooks = module._forward_pre_hooks
+    ours = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
+    _take_place(pre_hooks, ours + enables, enter, first=True)
+    for key in enables + ours:
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.LeaveHook) -> None:
+    """The gate's forward hook, always called, where the last disable hook (or an earlier gate's
+    forward hook) was; registered anew where there was none."""
+    post_hooks = module._forward_hooks
+    always = module._forward_hooks_always_called
+    if not isinstance(always, _AlwaysCalled):
+        always = _AlwaysCalled(always.items())
+        module._forward_hooks_always_called = always
+    plain = {key for key in disables if key not in always} | always.plain
+    ours = [key for key, hook in post_hooks.items() if _is_ours(hook)]
+    if disables or ours:
+        kept = _take_place(post_hooks, ours + disables, leave, first=False)
+    else:  # an enable hook alone: the gate still needs its forward hook
+        kept = module.register_forward_hook(leave).id
+    for key in disables + ours:
+        module._forward_hooks_with_kwargs.pop(key, None)
+        always.pop(key, None)
+    always[kept] = True
+    always.plain = frozenset(plain & {kept})  # pickled without the entry if the pair there was plain
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
@@ -115,28 +153,10 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
         return False
     if found.right and not replace_always_called:
         return False
-    pre_hooks = module._forward_pre_hooks
-    post_hooks = module._forward_hooks
-    enter, leave = _gate_hooks(module, pre_hooks[found.enables[0]])
-
-    ours_before = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
-    _take_place(pre_hooks, ours_before + found.enables, enter, first=True)
-    for key in found.enables + ours_before:
-        module._forward_pre_hooks_with_kwargs.pop(key, None)
-
-    always = module._forward_hooks_always_called
-    if not isinstance(always, _AlwaysCalled):
-        always = _AlwaysCalled(always.items())
-        module._forward_hooks_always_called = always
-    plain = {key for key in found.disables if key not in always} | always.plain
-    ours_after = [key for key, hook in post_hooks.items() if _is_ours(hook)]
-    if found.disables or ours_after:
-        kept = _take_place(post_hooks, ours_after + found.disables, leave, first=False)
-    else:  # an enable hook alone: the gate still needs its forward hook
-        kept = module.register_forward_hook(leave).id
-    for key in found.disables + ours_after:
-        module._forward_hooks_with_kwargs.pop(key, None)
-        always.pop(key, None)
-    always[kept] = True
-    always.plain = frozenset(plain & {kept})
+    hooks = _existing_hooks(module)
+    if hooks is None:
+        hooks = _new_hooks(module._forward_pre_hooks[found.enables[0]])
+    enter, leave = hooks
+    _put_enter_hook(module, found.enables, enter)
+    _put_leave_hook(module, found.disables, leave)
     return True
