@@ -75,12 +75,15 @@ class Holds:
     torch.compile traced the pre-hook), outermost first. Given back when it dies: its thread ended, or
     its module was collected."""
 
-    __slots__ = ("__weakref__", "calls", "gate", "thread")
+    __slots__ = ("__weakref__", "calls", "gate", "spacing", "thread")
 
     def __init__(self, gate: weakref.ref[Gate]) -> None:
         self.calls: list[FrameType | None] = []
         self.gate = gate
         self.thread = threading.get_ident()
+        # How many frames below a pre-hook's caller the innermost hold's frame was at the last
+        # self-call: where :func:`_running` looks first.
+        self.spacing = 0
 
     def forget(self, count: int) -> int:
         """Forget the innermost ``count`` holds (all of them, at most) without giving them back to
@@ -113,8 +116,12 @@ def every_holds() -> list[Holds]:
 
 
 class _PerThread(threading.local):
+    """A gate's holds on the thread that reads it; ``calls`` is ``holds.calls``, one attribute fewer on
+    the hot path."""
+
     def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
         self.holds = Holds(gate)
+        self.calls = self.holds.calls
         _HOLDS.add(self.holds)
 
 
@@ -151,18 +158,32 @@ def stack_from(start: FrameType | None) -> Iterator[FrameType]:
         frame = frame.f_back
 
 
-def _running(owner: FrameType | None, start: FrameType) -> bool:
-    """Whether ``owner`` is on the stack below ``start``: its call has not ended. For a self-call the
-    owner is a few frames down, so the loop is short; it reads the whole stack only for a hold that a
-    ``BaseException`` left, once, before that hold is given back. False for a hold taken in a compiled
-    trace (no owner frame): :func:`_heal` then counts the compiled calls instead."""
+def _running(holds: Holds, start: FrameType, offset: int) -> bool:
+    """Whether the innermost hold's call is still running: its frame is on the stack below ``start``,
+    the caller of the pre-hook, which is ``offset`` frames below this function's own.
+
+    A module calling itself takes its holds a fixed number of frames apart, so the frame is looked for
+    first where it was at the last self-call (one step of the interpreter's own, ``sys._getframe``);
+    only when it is not there is the stack read down, frame by frame, and the spacing learnt. Either
+    way a frame is found only if it is on this thread's stack, so the answer is exact. False for a hold
+    taken in a compiled trace (no frame): :func:`_heal` then counts the compiled calls instead.
+    """
+    owner = holds.calls[-1]
     if owner is None:
         return False
+    try:
+        if _frame(offset + holds.spacing) is owner:
+            return True
+    except ValueError:  # the stack is not that deep now
+        pass
+    spacing = 0
     frame: FrameType | None = start
     while frame is not None:
         if frame is owner:
+            holds.spacing = spacing
             return True
         frame = frame.f_back
+        spacing += 1
     return False
 
 
@@ -275,17 +296,16 @@ class EnterHook(_Hook):
     __slots__ = ()
 
     def __call__(self, module: torch.nn.Module, args: Any, caller: FrameType | None = None) -> None:
-        holds = self.threads.holds
-        calls = holds.calls
+        calls = self.threads.calls
         if _compiling():
-            owner = None
             if calls:  # a self-call, or a hold left by a BaseException
-                _heal(holds, None)
+                _heal(self.threads.holds, None)
+            calls.append(None)
         else:
-            owner = _frame(1) if caller is None else caller
-            if calls and not _running(calls[-1], owner):  # the innermost hold's call has ended
-                _heal(holds, owner)
-        calls.append(owner)
+            owner = caller or _frame(1)
+            if calls and not _running(self.threads.holds, owner, offset=2):  # that call has ended
+                _heal(self.threads.holds, owner)
+            calls.append(owner)
         P._cache_enabled += 1
 
 
@@ -295,7 +315,7 @@ class LeaveHook(_Hook):
     __slots__ = ()
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        calls = self.threads.holds.calls
+        calls = self.threads.calls
         if not calls:
             return
         calls.pop()
