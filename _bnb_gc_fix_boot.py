@@ -12,7 +12,8 @@ The path from interpreter start to a gated module (``docs/how-it-works.md`` draw
 
 1. :func:`install` reads ``BNB_GC_FIX`` and, unless it switches the fix off, puts a
    :class:`BitsandbytesWatcher` first on ``sys.meta_path``.
-2. When bitsandbytes is about to execute, the watcher's loader imports the package from this file's
+2. When bitsandbytes is about to execute (its loader's ``exec_module``; or at once, where it is
+   imported already or its spec cannot be wrapped), the watcher imports the package from this file's
    own folder (:func:`import_ours`); the package's last line activates the fix
    (``bnb_gc_fix/activation.py``).
 3. Activation asks ``_bnb_gc_fix_imports.when_imported`` to call back once
@@ -42,11 +43,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: Our top-level modules, loaded from :data:`HERE` before the package, which imports them by name.
 _OUR_MODULES = ("_bnb_gc_fix_vocabulary", "_bnb_gc_fix_imports", "_bnb_gc_fix_cache")
 
-# The same names as _bnb_gc_fix_imports.TRIGGER and WATCHED, which this file does not import at
-# start-up (that module is loaded when a watched module first executes).
-_TRIGGER = vocabulary.BITSANDBYTES.name
-_WATCHED = frozenset((_TRIGGER, *(library.module for library in vocabulary.LIBRARIES)))
-
 #: Which start-up path ran in this process (a ``vocabulary.VIA_*`` value), whether or not
 #: ``BNB_GC_FIX`` then switched the fix off; None when neither ran.
 started_by: "str | None" = None
@@ -59,7 +55,9 @@ def import_ours(name: str) -> "ModuleType":
     ``bnb_gc_fix.py`` in the working directory, say). One already imported is returned as it is.
 
     This is importlib's own recipe for importing from a given place: find the spec, make the module,
-    put it in ``sys.modules``, execute it, and take it out again if that raises.
+    put it in ``sys.modules``, execute it, and take it (and any of its submodules) out again if that
+    raises. At start-up, when ``site`` runs ``bnb_gc_fix.pth``, the working directory is not yet on
+    ``sys.path``, so this file and the vocabulary come from the installation too.
     """
     imported = sys.modules.get(name)
     if imported is not None:
@@ -75,7 +73,8 @@ def import_ours(name: str) -> "ModuleType":
     try:
         spec.loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(name, None)
+        for imported_name in [key for key in sys.modules if key == name or key.startswith(name + ".")]:
+            sys.modules.pop(imported_name, None)
         raise
     return sys.modules[name]
 
@@ -104,19 +103,19 @@ class BitsandbytesWatcher:
     def find_spec(
         self, fullname: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
     ) -> "ModuleSpec | None":
-        if fullname not in _WATCHED:
+        if fullname not in vocabulary.WATCHED:
             return None
         try:
             spec = self._spec_from_later_finders(fullname, path, target)
         except Exception:  # a later finder failed: the import system will ask it again and say so
-            if fullname == _TRIGGER:
+            if fullname == vocabulary.TRIGGER:
                 self.fire()
             return None
         if spec is None or isinstance(spec.loader, WatchingLoader):
             return spec
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = WatchingLoader(spec.loader, fullname, self)  # type: ignore[assignment]
-        elif fullname == _TRIGGER:
+        elif fullname == vocabulary.TRIGGER:
             self.fire()  # a spec we cannot wrap: activate now, as the import is about to load it
         return spec
 
@@ -142,13 +141,13 @@ class BitsandbytesWatcher:
         if self.fired or self.via is None:
             return
         self.fired = True
-        trigger = self.via
+        trigger = self.via  # read by the package's activation, during the import below
         try:
             for name in _OUR_MODULES:
                 import_ours(name)
             import_ours("bnb_gc_fix")  # its last line activates the fix
         except Exception:  # a broken install: bitsandbytes imports as if we were not here
-            pass
+            trigger = None  # nothing was turned on: a later `import bnb_gc_fix` is the user's
 
 
 class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none
@@ -178,7 +177,7 @@ class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, a
 
     def exec_module(self, module: "ModuleType") -> None:
         self._put_real_loader_back(module)
-        if self.name == _TRIGGER:
+        if self.name == vocabulary.TRIGGER:
             self.watcher.fire()
         registry = _registry()
         if registry is None:  # our files are broken: load the module as if we were not here
@@ -228,7 +227,7 @@ def install(via: str = vocabulary.VIA_STARTUP_HOOK) -> bool:
         return True
     watcher = BitsandbytesWatcher(via)
     sys.meta_path.insert(0, watcher)
-    if _TRIGGER in sys.modules:
+    if vocabulary.TRIGGER in sys.modules:
         watcher.fire()
     return True
 

@@ -16,11 +16,6 @@ TYPE_CHECKING = False  # typing is not loaded at start-up; mypy reads this name 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-#: bitsandbytes' top-level import: the start-up hook activates the fix when its code is about to run.
-TRIGGER = vocabulary.BITSANDBYTES.name
-#: Every module a watcher wraps the loader of: the trigger, and each patched library's module.
-WATCHED = frozenset((TRIGGER, *(library.module for library in vocabulary.LIBRARIES)))
-
 _lock = _thread.allocate_lock()
 _executing: "set[str]" = set()
 _callbacks: "dict[str, set[Callable[[str], None]]]" = {}
@@ -64,10 +59,10 @@ def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
 
     Returns False, and never calls back, when ``name`` is not watched, is imported already, or is being
     imported by a loader no watcher wraps. A callback registered twice runs once. A watcher goes first on
-    ``sys.meta_path`` unless one is there already: a finder put in front of the start-up hook's may
+    ``sys.meta_path`` unless the first finder is one: a finder put in front of the start-up hook's may
     answer for the module.
     """
-    if name not in WATCHED:
+    if name not in vocabulary.WATCHED:
         return False
     with _lock:
         if name in sys.modules and name not in _executing:
@@ -82,8 +77,10 @@ def when_imported(name: str, callback: "Callable[[str], None]") -> bool:
 def _watch_first() -> None:
     """Put a watcher first on ``sys.meta_path`` unless one is first already.
 
-    Only called from activation, which runs inside an import's code or the user's own code, never
-    inside the import system's loop over ``sys.meta_path``.
+    Activation calls this from the user's code or from an import's code; and, where a watcher activates
+    the fix from its ``find_spec`` (a spec it cannot wrap), inside the import system's loop over
+    ``sys.meta_path``. The insertion then makes that one loop ask a finder twice, which is harmless:
+    a watcher answers the same way both times.
     """
     import _bnb_gc_fix_boot as boot
 

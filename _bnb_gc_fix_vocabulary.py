@@ -98,3 +98,8 @@ AXOLOTL = Facts(
 )
 
 LIBRARIES = (BITSANDBYTES, AXOLOTL)  # bitsandbytes first
+
+#: bitsandbytes' top-level import: the start-up hook activates the fix when its code is about to run.
+TRIGGER = BITSANDBYTES.name
+#: Every module whose loader a watcher wraps: the trigger, and each patched library's module.
+WATCHED = frozenset((TRIGGER, *(library.module for library in LIBRARIES)))

@@ -37,7 +37,9 @@ class State(enum.Enum):
     NOT_INSTALLED = "not installed"  # it (or torch, which it needs) cannot be imported: nothing to patch
     NOT_NEEDED = "not needed"  # its code is right (upstream's fix), or it has nothing to patch
     OFF = "off"  # switched off by BNB_GC_FIX or deactivate()
-    SKIPPED = "skipped"  # its code did not look as expected, or patching failed: one warning
+    SKIPPED = (
+        "skipped"  # its code did not look as expected, or patching failed (one warning); or not activated yet
+    )
 
 
 class Library:
@@ -114,7 +116,7 @@ def _armed_bitsandbytes(reason: str) -> tuple[State, str]:
         if installed.absent(name):
             return State.NOT_INSTALLED, _NOT_INSTALLED.format(name=name)
     failed = installed.failures()
-    for name in ("torch", "bitsandbytes", decide.PARAMETRIZE):
+    for name in ("torch", "bitsandbytes", decide.BNB_PARAMETRIZE):
         if name in failed and name not in sys.modules:
             return State.ARMED, f"{failed[name]}; nothing to patch"
     return State.ARMED, reason
@@ -259,10 +261,12 @@ def _arm(library: Library) -> None:
 def _on_imported(name: str) -> None:
     """A target module's code has run to its end: decide and patch, as the last activation read the
     switch. Never raises."""
+    library = process.libraries.get(name)
+    if library is None:  # only _arm registers this callback, and only for a library's module
+        return
     try:
-        library = process.libraries[name]
         with process.lock:
-            if library.state is not State.ARMED:  # deactivate() or an activate() switched off cancelled it
+            if library.state is not State.ARMED:  # cancelled since: by deactivate(), or the switch off
                 return
             module = library.module()
             if module is None:  # removed from sys.modules meanwhile: wait for the next import
@@ -270,7 +274,7 @@ def _on_imported(name: str) -> None:
             else:
                 _apply(library, module)
     except Exception as error:
-        _skip(process.libraries[name], f"patching failed: {type(error).__name__}: {error}; nothing patched")
+        _skip(library, f"patching failed: {type(error).__name__}: {error}; nothing patched")
 
 
 # --- activate and deactivate -------------------------------------------------------------------------
@@ -329,12 +333,12 @@ def activate(*, via: str = vocabulary.VIA_ACTIVATE) -> None:
 def deactivate() -> None:
     """Put every patched library's own functions back and cancel pending patches (gates already
     installed on modules keep working; ``repair()`` and ``reset()`` still work)."""
-    from bnb_gc_fix import patch
-
     with process.lock:
         for library in process.libraries.values():
             module = library.module()
             if module is not None:
+                from bnb_gc_fix import patch  # imports torch, which the library's module has imported
+
                 patch.remove(module, library.target)
             library.set(State.OFF, "deactivated by deactivate()")
         notebook.remove()
@@ -349,6 +353,7 @@ def credit(via: str) -> None:
 
 
 def on() -> bool:
-    """Something is patched or armed (what ``status().via`` is reported for)."""
+    """bitsandbytes is armed, or some library is patched right now (what ``status().via`` is
+    reported for)."""
     armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
     return armed or any(library.applied() for library in process.libraries.values())

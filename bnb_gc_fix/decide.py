@@ -18,7 +18,9 @@ from bnb_gc_fix.targets import BITSANDBYTES, Target
 FIRST_AFFECTED = Version(BITSANDBYTES.first_affected)
 MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 
-PARAMETRIZE = BITSANDBYTES.module
+BNB_PARAMETRIZE = (
+    BITSANDBYTES.module
+)  # bitsandbytes.nn.parametrize (_bnb_gc_fix_cache.PARAMETRIZE is torch's)
 
 
 def torch_version() -> str | None:
@@ -61,9 +63,8 @@ def before_parametrize(version: str) -> bool:
 
 def no_parametrize(version: str) -> str:
     """Why a bitsandbytes before 0.48.0 needs nothing: the sentence status, CLI and check share."""
-    return (
-        f"bitsandbytes {version} has no {PARAMETRIZE} (added in {FIRST_AFFECTED}), so it cannot leak this way"
-    )
+    added = f"added in {FIRST_AFFECTED}"
+    return f"bitsandbytes {version} has no {BNB_PARAMETRIZE} ({added}), so it cannot leak this way"
 
 
 @dataclass(frozen=True)

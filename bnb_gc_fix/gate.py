@@ -12,7 +12,7 @@ its thread ends, or when a forked child drops its parent's other threads.
 How a hold is known to be live: each hold remembers the frame that called the pre-hook (torch's
 ``Module._call_impl``, or the function in it that runs the hooks). A hold is live while that frame is on
 the thread's stack. Holds nest (an inner self-call's after the outer one's), so the innermost live hold
-vouches for every one before it, and a self-call checks one frame a few levels up: the cost does not
+vouches for every one before it, and a self-call checks one frame a few levels down: the cost does not
 depend on how deep the calls nest, nor on how ``Module.__call__`` is wrapped. Where torch.compile traces
 the pre-hook there is no frame to take (reading one would break the graph): such a hold is counted
 against the compiled ``_call_impl`` frames of its module instead, outside the trace.
@@ -164,7 +164,8 @@ def _running(holds: Holds, start: FrameType, offset: int) -> bool:
 
     A module calling itself takes its holds a fixed number of frames apart, so the frame is looked for
     first where it was at the last self-call (one step of the interpreter's own, ``sys._getframe``);
-    only when it is not there is the stack read down, frame by frame, and the spacing learnt. Either
+    only when it is not there is the stack read down, frame by frame, and the spacing learnt (for a
+    hold a ``BaseException`` left, the whole stack, once here and once in :func:`_heal`). Either
     way a frame is found only if it is on this thread's stack, so the answer is exact. False for a hold
     taken in a compiled trace (no frame): :func:`_heal` then counts the compiled calls instead.
     """

@@ -143,7 +143,8 @@ def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.Le
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
-    """Replace every plain cache pair on ``module`` with its one gate, in the pairs' places.
+    """Replace every plain cache pair on ``module`` with its one gate, in the pairs' places (an enable
+    hook without a disable hook too: the gate then registers its own forward hook).
 
     Returns whether the module changed. A module without an enable hook is left alone, and so is one
     whose pairs are right (bitsandbytes 0.50) unless ``replace_always_called`` (``BNB_GC_FIX=force``).
@@ -153,10 +154,10 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
         return False
     if found.right and not replace_always_called:
         return False
-    hooks = _existing_hooks(module)
-    if hooks is None:
-        hooks = _new_hooks(module._forward_pre_hooks[found.enables[0]])
-    enter, leave = hooks
+    pair = _existing_hooks(module)
+    if pair is None:
+        pair = _new_hooks(module._forward_pre_hooks[found.enables[0]])
+    enter, leave = pair
     _put_enter_hook(module, found.enables, enter)
     _put_leave_hook(module, found.disables, leave)
     return True

@@ -87,7 +87,7 @@ def import_installed() -> None:
     the patched module of every installed look-alike library. Failures are remembered, never raised."""
     from importlib.util import find_spec
 
-    from bnb_gc_fix.decide import PARAMETRIZE, before_parametrize
+    from bnb_gc_fix.decide import BNB_PARAMETRIZE, before_parametrize
     from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
 
     torch, _ = try_import("torch")
@@ -96,7 +96,7 @@ def import_installed() -> None:
     bitsandbytes, _ = try_import("bitsandbytes")
     version = str(getattr(bitsandbytes, "__version__", "unknown"))  # unknown: try its parametrize
     if bitsandbytes is not None and not before_parametrize(version):
-        try_import(PARAMETRIZE)
+        try_import(BNB_PARAMETRIZE)
     for target in TARGETS:
         if target is BITSANDBYTES:
             continue

@@ -1,4 +1,4 @@
-"""The cell-end release: in IPython and Jupyter, a cell that fails never leaves the cache switched on.
+"""The cell-end release: in IPython and Jupyter, what a failed cell left switched on is released.
 
 A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, which skips its forward hooks.
 At each cell's end (IPython's callbacks; IPython is never imported), what a failed cell added and no

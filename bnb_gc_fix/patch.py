@@ -51,11 +51,13 @@ def _hook_caller() -> FrameType | None:
 def _convert_at_forward(module: object, replace_always_called: bool) -> bool:
     """Called as the pre-hook of ``module``: turn its plain pairs into a gate.
 
-    Returns True when the gate takes this forward's hold, so the wrapped enable function must not;
-    False when it should run as it is (not a module, or nothing to convert). A module gated already
-    answers True: its gate's own pre-hook takes the hold (this call comes from the snapshot of
-    pre-hooks torch took before a conversion, or from a plain pair registered beside the gate, which
-    ``install`` now folds into the gate).
+    Returns True when the wrapped enable function must not take a hold: the gate took this forward's
+    (the module was converted just now), or the module was gated already. Then this call comes from a
+    plain pair registered beside the gate (``install`` folds it into the gate now; the gate's own
+    pre-hook, earlier in the same snapshot of pre-hooks, took the hold), or from the snapshot of
+    pre-hooks torch took before another pair of this module was converted in this forward (whose
+    conversion took the hold). False when it should run as it is: not a module, or nothing to convert.
+    Order matters: whether the module was gated is read before ``install`` changes it.
     """
     if not isinstance(module, torch.nn.Module):
         return False

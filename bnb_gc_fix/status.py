@@ -90,7 +90,7 @@ class Status:
 
     @property
     def active(self) -> bool:
-        """Some library is patched right now."""
+        """The library :attr:`state` comes from is patched right now (so none was unpatched since)."""
         return self.state == State.PATCHED.value
 
     @property
