@@ -54,9 +54,13 @@ def test_wheel_holds_the_start_up_hook_the_plugin_and_the_console_script() -> No
         names = set(archive.namelist())
         [info] = sorted({n.split("/")[0] for n in names if n.split("/")[0].endswith(".dist-info")})
         assert archive.read("bnb_gc_fix.pth") == (ROOT / "bnb_gc_fix.pth").read_bytes()
+        # PEP 829's start-up file, beside the .pth file at the wheel's root (site-packages).
+        assert archive.read("bnb_gc_fix.start") == (ROOT / "bnb_gc_fix.start").read_bytes()
         for needed in (
             "_bnb_gc_fix_boot.py",
             "_bnb_gc_fix_cache.py",
+            "_bnb_gc_fix_imports.py",
+            "_bnb_gc_fix_vocabulary.py",
             "bnb_gc_fix_pytest.py",
             "bnb_gc_fix/py.typed",
             "bnb_gc_fix/__init__.py",
@@ -75,6 +79,9 @@ def test_sdist_holds_exactly_what_pyproject_includes() -> None:
         members = {m.name.split("/", 1)[1] for m in archive.getmembers() if "/" in m.name}
     for needed in (
         "bnb_gc_fix.pth",
+        "bnb_gc_fix.start",
+        "_bnb_gc_fix_imports.py",
+        "_bnb_gc_fix_vocabulary.py",
         "_bnb_gc_fix_boot.py",
         "_bnb_gc_fix_cache.py",
         "bnb_gc_fix_pytest.py",
