@@ -139,15 +139,9 @@ sys.meta_path.insert(0, NotInstalled())
 
 LOAD = """
 import torch
-from torch.utils.checkpoint import checkpoint
 import quantized
 module = torch.load(sys.argv[1], weights_only=False)
-head = torch.nn.Linear(64, 64)
-x = torch.randn(8, 64)
-counters = []
-for step in range(3):
-    checkpoint(lambda v: module(head(v).relu()), x, use_reentrant=False).pow(2).mean().backward()
-    counters.append(quantized.counter())
+counters = quantized.checkpointed_counters(module)
 hooks = sorted({getattr(h, "__module__", "?") for h in module._forward_pre_hooks.values()})
 print(json.dumps({"counters": counters, "hooks": hooks, "fix": "bnb_gc_fix" in sys.modules}))
 """

@@ -34,15 +34,9 @@ SHADOWED = ("bnb_gc_fix", "_bnb_gc_fix_cache", "_bnb_gc_fix_imports", "_bnb_gc_f
 # A training script that never imports the package: the start-up hook alone turns the fix on.
 TRAIN = """
 import torch
-from torch.utils.checkpoint import checkpoint
 import quantized
 module = quantized.make()
-head = torch.nn.Linear(64, 64)
-x = torch.randn(8, 64)
-counters = []
-for step in range(3):
-    checkpoint(lambda v: module(head(v).relu()), x, use_reentrant=False).pow(2).mean().backward()
-    counters.append(quantized.counter())
+counters = quantized.checkpointed_counters(module)
 package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "counters": counters,
@@ -115,15 +109,9 @@ for _ in range(int(sys.argv[2])):
 WATCHERS_AND_TRAINING = """
 watchers = [f for f in sys.meta_path if getattr(f, "bnb_gc_fix_watcher", False)]
 import torch
-from torch.utils.checkpoint import checkpoint
 import quantized
 module = quantized.make()
-head = torch.nn.Linear(64, 64)
-x = torch.randn(8, 64)
-counters = []
-for step in range(3):
-    checkpoint(lambda v: module(head(v).relu()), x, use_reentrant=False).pow(2).mean().backward()
-    counters.append(quantized.counter())
+counters = quantized.checkpointed_counters(module)
 package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "watchers": len(watchers),

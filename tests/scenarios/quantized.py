@@ -72,3 +72,18 @@ def reset() -> None:
 
     P._cache_enabled = 0
     P._cache = {}
+
+
+def checkpointed_counters(module: Any, steps: int = 3) -> list[int]:
+    """Train ``module`` behind a trainable head for ``steps`` steps, each under non-reentrant
+    checkpointing (what leaks); torch's counter after each step."""
+    from torch.utils.checkpoint import checkpoint
+
+    head = nn.Linear(64, 64)
+    x = torch.randn(8, 64)
+    counters = []
+    for _ in range(steps):
+        output = checkpoint(lambda v: module(head(v).relu()), x, use_reentrant=False)
+        output.pow(2).mean().backward()
+        counters.append(counter())
+    return counters
