@@ -172,18 +172,23 @@ def cache_state() -> tuple[int, int, int]:
     return int(P._cache_enabled), len(P._cache), held
 
 
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS and VmHWM (bytes) of a process, from /proc; empty where there is no /proc."""
+def proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The fields ``keys`` (kB, given in bytes) of a /proc file; empty where there is no /proc."""
     found: dict[str, int] = {}
     try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
+        with open(path) as fields:
+            for line in fields:
                 key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
+                if key in keys:
                     found[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
     return found
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (bytes) of a process."""
+    return proc_fields(f"/proc/{pid}/status", ("VmRSS", "VmHWM"))
 
 
 def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
@@ -194,6 +199,15 @@ def build_olmoe(layers: int, experts: int, hidden: int, device: str = "cpu", dty
 
     model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
     return model
+
+
+def same_outputs(modules: dict[str, Any], *args: Any) -> None:
+    """Assert that every configuration's module computes the same output from ``args`` (no grad)."""
+    import torch
+
+    with torch.no_grad():
+        outputs = [module(*args) for module in modules.values()]
+    assert all(torch.equal(outputs[0], output) for output in outputs)
 
 
 def unpatched_bitsandbytes() -> Callable[..., None]:

@@ -1,11 +1,10 @@
-"""The benchmarks' shared harness: alternating rounds, ratios with their spread, the noise floor and the
-"no measurable difference" rule (benchmarks/README.md, "How to read a ratio"), worker processes, machine
-facts, and the result files. The scripts import it by path (``python benchmarks/<script>.py`` puts this
-folder first on ``sys.path``).
+"""The benchmarks' shared harness (benchmarks/README.md, "How to read a ratio"). The scripts import it by
+path: ``python benchmarks/<script>.py`` puts this folder first on ``sys.path``.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -29,6 +28,15 @@ NO_DIFFERENCE = "no measurable difference"
 
 T = TypeVar("T")
 Timed = Callable[[int], int]  # runs n calls, returns the time they took in ns
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A script's argument parser, its module docstring as the description."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def is_cuda(device: object) -> bool:
+    return str(device).startswith("cuda")
 
 
 # --------------------------------------------------------------------------- statistics
@@ -336,9 +344,7 @@ def output_path(name: str, quick: bool, chosen: Path | None = None) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    print(f"wrote {_shown(path)}", file=sys.stderr)
+    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:

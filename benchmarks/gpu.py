@@ -1,8 +1,6 @@
-"""The memory benchmarks on CUDA, in one command (benchmarks/README.md, "CUDA").
+"""The memory benchmarks on CUDA, in one command (benchmarks/README.md, "CUDA"); options it does not
+know go to memory.py (or olmoe_full.py).
 
-python benchmarks/gpu.py                                # memory.py --device cuda: results/memory-cuda.*
-python benchmarks/gpu.py --dtype bfloat16               # extra options go to memory.py (or olmoe_full.py)
-python benchmarks/gpu.py --device cpu                   # smoke run without a GPU (results/tmp/, no plot)
 python benchmarks/gpu.py --full                         # olmoe_full.py --device cuda, 1 and 16 layers
 python benchmarks/gpu.py --full --layers 1 2 4 8 16     # every layer count (more workers)
 python benchmarks/gpu.py --full --device cpu            # smoke run: reduced width on the CPU
@@ -10,7 +8,6 @@ python benchmarks/gpu.py --full --device cpu            # smoke run: reduced wid
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +31,7 @@ def redraw(draw: Callable[[], None]) -> None:
 
 def full(device: str, forwarded: list[str], plot_it: bool) -> int:
     """The OLMoE-1B-7B-shaped scenario (olmoe_full.py) on ``device``."""
-    smoke = not device.startswith("cuda")
+    smoke = not harness.is_cuda(device)
     arguments = ["--device", device, *forwarded]
     if "--layers" not in forwarded:
         arguments += ["--layers", *FULL_LAYERS]
@@ -66,14 +63,12 @@ def show(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu for a smoke run")
     parser.add_argument("--no-plot", action="store_true", help="do not redraw docs/memory.png")
     parser.add_argument("--full", action="store_true", help="OLMoE-1B-7B's real shapes (olmoe_full.py)")
     args, forwarded = parser.parse_known_args(argv)
-    smoke = not args.device.startswith("cuda")
+    smoke = not harness.is_cuda(args.device)
     if not smoke:
         import torch
 

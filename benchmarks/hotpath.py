@@ -13,7 +13,6 @@ import os
 
 os.environ["BNB_GC_FIX"] = "0"  # before bitsandbytes is imported: configurations are built by hand
 
-import argparse
 import sys
 import threading
 import time
@@ -45,14 +44,6 @@ def _goal(
     result["met"] = comparison.met
     result["result"] = comparison.verdict
     return result
-
-
-def _same_outputs(modules: dict[str, Any], x: Any) -> None:
-    import torch
-
-    with torch.no_grad():
-        outputs = [module(x) for module in modules.values()]
-    assert all(torch.equal(outputs[0], output) for output in outputs)
 
 
 def _passthrough(parameters: tuple[str, ...]) -> Any:
@@ -149,7 +140,7 @@ def two_quantized(calls: int, rounds: int, numel: int = 64) -> dict[str, Any]:
     names = ("plain A", "gate A", "plain B", "gate B")
     modules = {name: _two_quantized_module(numel, gated=name.startswith("gate")) for name in names}
     x = torch.ones(numel)
-    _same_outputs(modules, x)
+    common.same_outputs(modules, x)
     with torch.no_grad():
         raw = harness.blocks(
             {name: loop(partial(module, x)) for name, module in modules.items()}, calls, rounds, "plain A"
@@ -296,7 +287,7 @@ def threads_case(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
     }
     configs = {name: _served(model, x, threads) for name, model in models.items()}
     result = harness.blocks(configs, forwards, rounds, "plain pairs (bnb 0.49)")
-    _same_outputs(models, x)
+    common.same_outputs(models, x)
     result["threads"] = threads
     result["note"] = "wall time of a block in which every thread runs calls_per_block forwards, per forward"
     return _goal(result, "gates (bnb-gc-fix)", "gates / plain pairs", 1.05, floor=floor)
@@ -314,7 +305,7 @@ def self_calls(calls: int, rounds: int, chunks: int = 128, depth: int = 100) -> 
         GATE: self_calling(True, chunks),
         floor: self_calling(False, chunks),
     }
-    _same_outputs(modules, x)
+    common.same_outputs(modules, x)
     configs = {
         name: loop(partial(_under_frames, depth, partial(module, x))) for name, module in modules.items()
     }
@@ -365,9 +356,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=101)
     parser.add_argument("--quick", action="store_true", help="5 rounds of fewer calls")
     parser.add_argument("--output", type=Path)

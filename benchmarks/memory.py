@@ -30,7 +30,7 @@ def worker(args: argparse.Namespace) -> None:
     common.start(config, args.threads)
     import torch
 
-    cuda = args.device.startswith("cuda")
+    cuda = harness.is_cuda(args.device)
     started = time.perf_counter()
     model = common.build_olmoe(args.layers, args.experts, args.hidden, device=args.device, dtype=args.dtype)
     model.gradient_checkpointing_enable()
@@ -206,7 +206,7 @@ def notes(device: str) -> list[str]:
         "unfixed steps are faster only because its cache is never emptied: it dequantizes each "
         "expert weight once and reuses that copy for ever (stale if the quantized data changed).",
     ]
-    if not device.startswith("cuda"):
+    if not harness.is_cuda(device):
         found.append(
             "CPU: process RSS is dominated by the allocator (freed memory is not returned to the OS) "
             "and by the model build, so it is recorded but not a fair measure of the leak; the "
@@ -230,7 +230,7 @@ def _row(config: str, final: dict[str, Any], cuda: bool) -> list[str]:
 
 def markdown(result: dict[str, Any]) -> str:
     settings = result["settings"]
-    cuda = str(result["device"]).startswith("cuda")
+    cuda = harness.is_cuda(result["device"])
     shape = f"{settings['layers']} layers, {settings['experts']} experts, hidden {settings['hidden']}"
     header = ["configuration", "counter after last step", "cache entries", "cache bytes retained"]
     header.append("median step")
@@ -256,9 +256,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--dtype", default="float32")
     for name, default in {**SIZES, **PROTOCOL}.items():
@@ -280,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     started = time.perf_counter()
     result = drive(args)
     result["wall_s"] = time.perf_counter() - started
-    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    kind = "cuda" if harness.is_cuda(args.device) else "cpu"
     name = f"memory-{kind}{'-quick' if args.quick else ''}.json"
     output = harness.output_path(name, args.quick, args.output)
     harness.write_results(output, result, markdown(result))

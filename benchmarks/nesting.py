@@ -1,10 +1,7 @@
 """Nesting benchmark: the gate against bitsandbytes' plain pair when a 4-bit module calls itself to depth
 3, 10, 100, 500, and under a wrapped ``Module._call_impl`` (in a child interpreter: the wrapper must be in
 place before bnb_gc_fix is imported); CPU time and dequantizations per call (benchmarks/README.md,
-"Nesting"). Goal: gate / control <= 1.05 at every depth.
-
-    python benchmarks/nesting.py            # depths 3 10 100 500, the wrapped case: results/nesting.json, .md
-    python benchmarks/nesting.py --quick    # 5 rounds, depths 3 and 10 (results/tmp/)
+"Nesting", and its commands). Goal: gate / control <= 1.05 at every depth.
 """
 
 from __future__ import annotations
@@ -109,8 +106,7 @@ def depth_case(depth: int, rounds: int) -> dict[str, Any]:
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         calls = {name: partial(model, x, depth) for name, model in models.items()}
-        outputs = [call() for call in calls.values()]
-        assert all(torch.equal(outputs[0], output) for output in outputs)
+        common.same_outputs(models, x, depth)
         counted = {name: dequantizations(models[name], call) for name, call in calls.items()}
         configs = {name: harness.loop(call, clock=time.process_time_ns) for name, call in calls.items()}
         result = harness.blocks(configs, calls_per_block(depth), rounds, baseline=CONTROL)
@@ -189,9 +185,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=51)
     parser.add_argument("--depths", type=int, nargs="+", help=f"default {' '.join(map(str, DEPTHS))}")
     parser.add_argument("--quick", action="store_true", help="5 rounds, depths 3 and 10")

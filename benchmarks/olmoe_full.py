@@ -1,13 +1,7 @@
 """Memory at the bug report's real size: OLMoE-1B-7B's shapes, random weights, 1 to 16 layers, four
 columns (unfixed, this package, upstream's fix, the report's workaround), each a fresh worker, watched.
 The model, its layer-by-layer build, the chunked quantization and the cache: benchmarks/README.md,
-"Full size".
-
-    python benchmarks/olmoe_full.py --prepare            # quantize the 16 layers once (the cache)
-    python benchmarks/olmoe_full.py                      # layers 1 2 4 8 16: results/olmoe-full-cpu.*
-    python benchmarks/olmoe_full.py --layers 1 --steps 2 # the anchor
-    python benchmarks/olmoe_full.py --smoke              # reduced width, same code path (results/tmp/)
-    python benchmarks/olmoe_full.py --device cuda        # on a GPU (gpu.py --full), no cache
+"Full size" (and its commands); ``--device cuda`` runs it on a GPU (``gpu.py --full``), without the cache.
 """
 
 from __future__ import annotations
@@ -83,8 +77,13 @@ MIN_AVAILABLE_GIB = 1.0  # a worker is stopped when the machine has less availab
 RUN_TIMEOUT_S = 3600.0  # and when it runs longer than this
 
 
+def _config(column: str) -> str:
+    """The configuration a column runs: the workaround is unfixed bitsandbytes."""
+    return common.UNFIXED if column == WORKAROUND else column
+
+
 def _env(column: str) -> dict[str, str]:
-    return common.config_env(common.UNFIXED if column == WORKAROUND else column)
+    return common.config_env(_config(column))
 
 
 # --------------------------------------------------------------------------- chunked quantization
@@ -359,25 +358,23 @@ def build_layer(model: Any, index: int, device: str, cache: LayerCache | None, c
     def quantizing(name: str) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if quantizer is None else quantizer.swapped(name)
 
+    def weight(name: str, shape: tuple[int, ...], placeholder_device: str) -> Any:
+        """The random bfloat16 weight, or with a cached layer an empty one (the cache gives it quantized)."""
+        if cached is not None:
+            return torch.empty(shape, dtype=torch.bfloat16, device=placeholder_device)
+        return _random(shape, _seed(index, name), device)
+
     for name in LINEARS:
         linear = getattr(attention, name)
-        shape = (linear.out_features, linear.in_features)
-        if cached is not None:
-            weight = torch.empty(shape, dtype=torch.bfloat16, device=device)
-        else:
-            weight = _random(shape, _seed(index, name), device)
         with quantizing(name):
-            setattr(attention, name, _linear4bit(linear, weight, device))
-        del weight
+            made = _linear4bit(
+                linear, weight(name, (linear.out_features, linear.in_features), device), device
+            )
+        setattr(attention, name, made)
     experts = layer.mlp.experts
     for name in EXPERTS:
-        shape = tuple(getattr(experts, name).shape)
-        if cached is not None:  # never generated: the cache gives the quantized tensors
-            weight = torch.empty(shape, dtype=torch.bfloat16, device="meta")
-        else:
-            weight = _random(shape, _seed(index, name), device)
-        setattr(experts, name, _parameter(weight))
-        del weight
+        # With a cached layer the expert stacks are never generated (a meta tensor stands in).
+        setattr(experts, name, _parameter(weight(name, tuple(getattr(experts, name).shape), "meta")))
         with quantizing(name):
             bnb_parametrize.replace_parameter_4bit(experts, name, quant_type=QUANT_TYPE)
     if cache is not None and quantizer is not None and cached is None:
@@ -452,15 +449,15 @@ def _workaround(model: Any) -> None:
 
 def _cache_root(args: argparse.Namespace) -> Path | None:
     """The quantization cache, or None: on CUDA and with --no-cache."""
-    return None if args.device.startswith("cuda") or args.no_cache else Path(args.cache)
+    return None if harness.is_cuda(args.device) or args.no_cache else Path(args.cache)
 
 
 def worker(args: argparse.Namespace) -> None:
     column = args.worker
-    common.start(common.UNFIXED if column == WORKAROUND else column, threads=None)
+    common.start(_config(column), threads=None)
     import torch
 
-    cuda = args.device.startswith("cuda")
+    cuda = harness.is_cuda(args.device)
     started = time.perf_counter()
     layers_info: list[dict[str, Any]] = []
     model = build_model(args.layers[0], args.device, _cache_root(args), args.smoke, layers_info.append)
@@ -494,20 +491,9 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the driver
 
 
-def _available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _why_stop(rss: int | None, elapsed: float, args: argparse.Namespace) -> str | None:
     """Why a running worker must be stopped now, or None."""
-    available = _available()
+    available = common.proc_fields("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
     if rss is not None and rss > args.rss_limit_gib * GIB:
         return f"resident memory {rss / GIB:.2f} GiB above the limit of {args.rss_limit_gib} GiB"
     if available is not None and available < MIN_AVAILABLE_GIB * GIB:
@@ -623,7 +609,7 @@ def anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
         held = [record["cache_bytes"] for record in run["steps"][:2]]
         result[f"{column}_counters"] = counters
         result[f"{column}_cache_bytes"] = held
-        expected_held = per_layer * 2 if unfixed else 0
+        expected_held = expected_cache_bytes(column, 1, per_layer)
         reproduced = (
             reproduced and counters == ([2, 4] if unfixed else [0, 0]) and held == [expected_held] * 2
         )
@@ -747,7 +733,7 @@ def _row(run: dict[str, Any], cuda: bool, width: int) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     settings_ = result["settings"]
     machine = result["machine"]
-    cuda = str(result["device"]).startswith("cuda")
+    cuda = harness.is_cuda(result["device"])
     header = ["layers", "column", "steps", "counter per step", "cache bytes after last step", "expected"]
     header += ["peak allocated"] if cuda else ["peak RSS (training)", "RSS after build"]
     header += ["median step", "stopped"]
@@ -790,20 +776,19 @@ def losses_identical(result: dict[str, Any]) -> bool:
     for run in result["runs"]:
         if run["steps"]:
             by_layers.setdefault(run["layers"], []).append([record["loss"] for record in run["steps"]])
-    for losses in by_layers.values():
-        for other in losses[1:]:
-            if any(a != b for a, b in zip(losses[0], other)):
-                return False
-    return True
+    return all(
+        first == loss
+        for losses in by_layers.values()
+        for other in losses[1:]
+        for first, loss in zip(losses[0], other)
+    )
 
 
 # --------------------------------------------------------------------------- the command
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
     parser.add_argument("--columns", nargs="+", choices=COLUMNS, default=list(COLUMNS))
@@ -843,12 +828,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.prepare:
         prepare(args)
         return None
-    kind = "cuda" if args.device.startswith("cuda") else "cpu"
+    kind = "cuda" if harness.is_cuda(args.device) else "cpu"
     folder = harness.RESULTS / "tmp" if args.smoke else harness.RESULTS
     output: Path = args.output or folder / f"olmoe-full-{kind}{'-smoke' if args.smoke else ''}.json"
     check = None
     if _cache_root(args) is not None:
-        check = check_chunking(2**16, 5000) if args.smoke else check_chunking(6 * 2**20, 2**20 + 3 * 64)
+        check = check_chunking(2**16, 5000) if args.smoke else check_chunking()
     result = drive(args, output)
     result["chunking_check"] = check
     result["losses_identical"] = losses_identical(result)

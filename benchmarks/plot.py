@@ -2,14 +2,11 @@
 docs/memory-olmoe.png from results/olmoe-full-cpu.json (the panels: benchmarks/README.md). Needs matplotlib
 (the ``benchmark`` extra).
 
-    python benchmarks/plot.py
-    python benchmarks/plot.py --full                                   # docs/memory-olmoe.png
     python benchmarks/plot.py --full results/olmoe-full-cuda.json --output docs/memory-olmoe-cuda.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,6 +20,24 @@ STYLE = {
     common.PACKAGE: {"color": "#2471a3", "linestyle": "-", "linewidth": 2.2},
     common.UPSTREAM: {"color": "#27ae60", "linestyle": "--", "linewidth": 2.2},
 }
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(figure: Any, output: Path) -> None:
+    figure.tight_layout(h_pad=2.0)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    _pyplot().close(figure)
+    print(f"wrote {output}", file=sys.stderr)
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -50,11 +65,7 @@ def _title(result: dict[str, Any]) -> str:
 
 
 def plot(cpu: dict[str, Any] | None, cuda: dict[str, Any] | None, output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     rows: list[tuple[dict[str, Any], str, str, str]] = []
     for result in (cpu, cuda):
         if result is None:
@@ -63,7 +74,7 @@ def plot(cpu: dict[str, Any] | None, cuda: dict[str, Any] | None, output: Path) 
             (result, "cache_bytes", "parametrization cache (MiB)", "Dequantized weights held by the cache")
         )
         rows.append((result, "counter", "P._cache_enabled", "Cache counter (0 = cache off and emptied)"))
-        if str(result["device"]).startswith("cuda"):
+        if harness.is_cuda(result["device"]):
             rows.append(
                 (result, "allocated_bytes", "allocated (MiB)", "torch.cuda.memory_allocated() after the step")
             )
@@ -99,10 +110,7 @@ def plot(cpu: dict[str, Any] | None, cuda: dict[str, Any] | None, output: Path) 
     )
     subtitles = "\n".join(_title(result) for result in (cpu, cuda) if result is not None)
     figure.suptitle(f"{heading}\n{subtitles}", fontsize=10)
-    figure.tight_layout(h_pad=2.0)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
-    print(f"wrote {output}", file=sys.stderr)
+    _save(figure, output)
 
 
 FULL_STYLE = {**STYLE, "workaround": {"color": "#d68910", "linestyle": ":", "linewidth": 2.4}}
@@ -122,12 +130,8 @@ def _largest_shared(result: dict[str, Any]) -> int:
 def plot_full(result: dict[str, Any], output: Path) -> None:
     """docs/memory-olmoe.png: cache bytes and memory over the steps of the largest layer count every
     column ran (top), and against the layer count (bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cuda = str(result["device"]).startswith("cuda")
+    plt = _pyplot()
+    cuda = harness.is_cuda(result["device"])
     memory_key, peak_key, memory_label = (
         ("allocated_bytes", "max_allocated_bytes", "CUDA memory allocated")
         if cuda
@@ -173,12 +177,8 @@ def plot_full(result: dict[str, Any], output: Path) -> None:
     by_layers_cache, by_layers_peak = axes[1]
     counts = sorted({run["layers"] for run in result["runs"]})
     for column in columns:
-        points = [
-            (n, runs[(column, n)]["summary"])
-            for n in counts
-            if (column, n) in runs and "summary" in runs[(column, n)]
-        ]
-        points = [(n, s) for n, s in points if "counters" in s]
+        summaries = {n: runs[(column, n)].get("summary", {}) for n in counts if (column, n) in runs}
+        points = [(n, s) for n, s in summaries.items() if "counters" in s]
         if not points:
             continue
         style = FULL_STYLE[column]
@@ -193,14 +193,7 @@ def plot_full(result: dict[str, Any], output: Path) -> None:
         by_layers_peak.plot(
             [n for n, _ in points], [s[peak] / 1e9 for _, s in points], marker="o", label=column, **style
         )
-    per_layer = next(
-        (
-            run["expert_parameters_per_layer"]
-            for run in result["runs"]
-            if run.get("expert_parameters_per_layer")
-        ),
-        None,
-    )
+    per_layer = max((run.get("expert_parameters_per_layer") or 0 for run in result["runs"]), default=0)
     if per_layer:
         by_layers_cache.plot(
             counts,
@@ -233,17 +226,11 @@ def plot_full(result: dict[str, Any], output: Path) -> None:
         "unfixed vs bnb-gc-fix vs upstream's fix vs the report's workaround",
         fontsize=10,
     )
-    figure.tight_layout(h_pad=2.0)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-    print(f"wrote {output}", file=sys.stderr)
+    _save(figure, output)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--cpu", type=Path, default=harness.RESULTS / "memory-cpu.json")
     parser.add_argument("--cuda", type=Path, default=harness.RESULTS / "memory-cuda.json")
     parser.add_argument("--output", type=Path, default=harness.DOCS / "memory.png")

@@ -13,7 +13,6 @@ timings matter: the machine is then shared.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
@@ -55,9 +54,7 @@ def commands(quick: bool, gpu: bool, full: bool = False) -> dict[str, list[str]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run; results go to results/tmp/")
     parser.add_argument("--gpu", action="store_true", help="also run gpu.py (CUDA memory benchmark)")
     parser.add_argument("--full", action="store_true", help="also olmoe_full.py (OLMoE-1B-7B shapes)")

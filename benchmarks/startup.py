@@ -8,7 +8,6 @@ but for the wheel, timed in alternating pairs (method and why two venvs: benchma
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -166,9 +165,7 @@ def show(measured: dict[str, Any], variants: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__)
     parser.add_argument("--pairs", type=int, default=100, help="paired runs (at least 30; default 100)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--output", type=Path)
