@@ -100,7 +100,6 @@ def quantize_4bit_chunked(
     """bitsandbytes' ``quantize_4bit(A)`` (``original``) on chunks of ``chunk`` values (whole blocks) of the
     flattened tensor; the packed codes and absmax concatenated into one ``QuantState``, as one call makes
     it. No double quantization (the report's setting)."""
-    import bitsandbytes.functional as F
     import torch
 
     flat = A.reshape(-1)
@@ -113,15 +112,17 @@ def quantize_4bit_chunked(
         )
         codes.append(packed)
         absmax.append(state.absmax)
-    state = F.QuantState(
-        absmax=torch.cat(absmax),
-        shape=A.shape,
-        dtype=A.dtype,
-        blocksize=blocksize,
-        code=F.get_4bit_type(quant_type, device=A.device),
-        quant_type=quant_type,
+    return torch.cat(codes, dim=0), quant_state(torch.cat(absmax), A, blocksize, quant_type, A.device)
+
+
+def quant_state(absmax: Any, A: Any, blocksize: int, quant_type: str, device: Any) -> Any:  # noqa: N803
+    """The ``QuantState`` one ``quantize_4bit(A)`` call makes, around ``absmax`` (no double quantization)."""
+    import bitsandbytes.functional as F
+
+    code = F.get_4bit_type(quant_type, device=device)
+    return F.QuantState(
+        absmax=absmax, shape=A.shape, dtype=A.dtype, blocksize=blocksize, code=code, quant_type=quant_type
     )
-    return torch.cat(codes, dim=0), state
 
 
 def check_chunking(numel: int = 6 * 2**20, chunk: int = 2**20 + 3 * 64) -> dict[str, Any]:
@@ -249,21 +250,11 @@ class Quantizer:
         return quantize_4bit
 
     def _from_cache(self, name: str, A: Any, blocksize: int, quant_type: str) -> tuple[Any, Any]:  # noqa: N803
-        import bitsandbytes.functional as F
-
         assert self.cached is not None
         saved = self.cached[name]
         if tuple(saved["shape"]) != tuple(A.shape) or saved["quant_type"] != quant_type:
             raise ValueError(f"cached {name} does not match: {saved['shape']} vs {tuple(A.shape)}")
-        state = F.QuantState(
-            absmax=saved["absmax"],
-            shape=A.shape,
-            dtype=A.dtype,
-            blocksize=blocksize,
-            code=F.get_4bit_type(quant_type, device="cpu"),
-            quant_type=quant_type,
-        )
-        return saved["packed"], state
+        return saved["packed"], quant_state(saved["absmax"], A, blocksize, quant_type, "cpu")
 
 
 # --------------------------------------------------------------------------- the model
@@ -829,8 +820,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         prepare(args)
         return None
     kind = "cuda" if harness.is_cuda(args.device) else "cpu"
-    folder = harness.RESULTS / "tmp" if args.smoke else harness.RESULTS
-    output: Path = args.output or folder / f"olmoe-full-{kind}{'-smoke' if args.smoke else ''}.json"
+    output = harness.output_path(
+        f"olmoe-full-{kind}{'-smoke' if args.smoke else ''}.json", args.smoke, args.output
+    )
     check = None
     if _cache_root(args) is not None:
         check = check_chunking(2**16, 5000) if args.smoke else check_chunking()
