@@ -82,16 +82,11 @@ def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
     return [top / bottom for top, bottom in zip(numerators, denominators)]
 
 
-def measurable(ratio: Spread, floor: Spread | None) -> bool:
-    """The reading rule: is ``ratio`` told apart from the noise floor (or, with no floor, from 1)?"""
-    if floor is not None:
-        return not floor.contains(ratio.median)
-    return not ratio.contains(1.0)
-
-
 def verdict(ratio: Spread, floor: Spread | None) -> str:
-    """What a ratio reads as: its median, or "no measurable difference"."""
-    return f"{ratio.median:.3f}x" if measurable(ratio, floor) else NO_DIFFERENCE
+    """What a ratio reads as: its median, or "no measurable difference" where it is not told apart from
+    the noise floor (or, with no floor, from 1)."""
+    within_noise = floor.contains(ratio.median) if floor is not None else ratio.contains(1.0)
+    return NO_DIFFERENCE if within_noise else f"{ratio.median:.3f}x"
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,8 @@ def make_venv(path: Path, wheel: Path | None) -> Path:
 
 
 def clean_env() -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("PYTHON", "BNB_GC_FIX"))}
-    env.pop("VIRTUAL_ENV", None)
-    return env
+    dropped = ("PYTHON", "BNB_GC_FIX", "VIRTUAL_ENV")
+    return {key: value for key, value in os.environ.items() if not key.startswith(dropped)}
 
 
 def time_once(python: Path, env: dict[str, str]) -> tuple[float, float]:
