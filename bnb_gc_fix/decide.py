@@ -143,9 +143,9 @@ def _range_text(target: Target, by_version: bool | None) -> str:
     return f"is {where} the affected range {target.affected_range}"
 
 
-def _skipped(reason: str, affected: bool | None) -> Verdict:
+def _skipped(reason: str, affected: bool | None, probe: str = "not run") -> Verdict:
     """Nothing may be patched: the library does not look as expected (the user is warned)."""
-    return Verdict(patch=False, unexpected=True, affected=affected, probe="not run", reason=reason)
+    return Verdict(patch=False, unexpected=True, affected=affected, probe=probe, reason=reason)
 
 
 def judge(module: ModuleType, force: bool, target: Target) -> Verdict:
@@ -165,13 +165,7 @@ def judge(module: ModuleType, force: bool, target: Target) -> Verdict:
 
     affected, seen = probe(module, target)
     if affected is None:
-        return Verdict(
-            patch=False,
-            unexpected=True,
-            affected=None,
-            probe=seen,
-            reason=f"{label} does not look as expected: {seen}",
-        )
+        return _skipped(f"{label} does not look as expected: {seen}", affected=None, probe=seen)
     if force and not affected:
         return Verdict(
             patch=True,
