@@ -2,6 +2,8 @@
 
 Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public API:
 :func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`, :func:`reset`, :class:`guard`.
+
+PYTEST_DONT_REWRITE (pytest's marker: a process may import this package before pytest starts).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import _bnb_gc_fix_boot
-import _bnb_gc_fix_cache
-import _bnb_gc_fix_vocabulary
+import _bnb_gc_fix as _words
+from _bnb_gc_fix import cache as _cache
+from _bnb_gc_fix import startup as _startup
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
 from bnb_gc_fix.activation import deactivate
@@ -61,7 +63,7 @@ def repair(model: torch.nn.Module) -> int:
     already stuck stays stuck: :func:`reset` releases it."""
     from bnb_gc_fix import hooks
 
-    force = _bnb_gc_fix_vocabulary.forces(_activation.process.mode)
+    force = _words.forces(_activation.process.mode)
     changed = [hooks.install(module, replace_always_called=force) for module in model.modules()]
     return sum(changed)
 
@@ -69,9 +71,9 @@ def repair(model: torch.nn.Module) -> int:
 def reset() -> int:
     """Release a stuck parametrization cache: counter to 0, cache emptied, every gate's holds forgotten.
     Returns the holds released. Works whether or not the fix is active, and never imports torch."""
-    return _bnb_gc_fix_cache.reset()
+    return _cache.reset()
 
 
-# Importing the package turns the fix on. The start-up hook's watcher notes that it fired just before
-# it imports the package; a user's own import finds no such note.
-_activation.activate(via=_bnb_gc_fix_boot.trigger or _bnb_gc_fix_vocabulary.VIA_IMPORT)
+# Importing the package turns the fix on. A start-up path notes itself just before it imports the
+# package; a user's own import finds no such note.
+_activation.activate(via=_startup.activated_by or _words.VIA_IMPORT)

@@ -1,11 +1,11 @@
 """Turning the fix on and off, and where each library stands.
 
 ``activate()`` reads ``BNB_GC_FIX`` once and keeps what it read until the next ``activate()``. It
-patches each library of :data:`bnb_gc_fix.targets.TARGETS` now if its module is imported, else once its
-import completes (``_bnb_gc_fix_imports.when_imported``, the one import-watching mechanism). Each
-library has one :class:`Library` record: its :class:`State`, the sentence behind it and the verdict
-that produced it. :meth:`Library.now` is the one place that says where a library stands right now;
-``status()`` only reports it.
+patches each library of ``_bnb_gc_fix.LIBRARIES`` now if its module is imported, else once its import
+has completed: a watcher of the start-up hook (``_bnb_gc_fix/startup.py``) calls :func:`on_imported`.
+Each library has one :class:`Library` record: its :class:`State`, the sentence behind it and the
+verdict that produced it. :meth:`Library.now` is the one place that says where a library stands right
+now; ``status()`` only reports it.
 """
 
 from __future__ import annotations
@@ -19,41 +19,39 @@ import warnings
 import weakref
 from types import ModuleType
 
-import _bnb_gc_fix_imports as imports
-import _bnb_gc_fix_vocabulary as vocabulary
+import _bnb_gc_fix as words
+from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Facts, startup
 from bnb_gc_fix import decide, installed, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
-from bnb_gc_fix.targets import BITSANDBYTES, TARGETS, Target
 
 logger = logging.getLogger("bnb_gc_fix")
 
 
 class State(enum.Enum):
-    """Where one library stands; the value is the word ``status()`` reports."""
+    """Where one library stands; the value is the word ``status()`` reports (``_bnb_gc_fix`` says
+    what each means)."""
 
-    PATCHED = "patched"  # our wrappers are its module's functions
-    UNPATCHED = "unpatched"  # it was patched, and a reload has put its own functions back since
-    ARMED = "armed"  # patched the moment its module is imported
-    NOT_INSTALLED = "not installed"  # it (or torch, which it needs) cannot be imported: nothing to patch
-    NOT_NEEDED = "not needed"  # its code is right (upstream's fix), or it has nothing to patch
-    OFF = "off"  # switched off by BNB_GC_FIX or deactivate()
-    SKIPPED = (
-        "skipped"  # its code did not look as expected, or patching failed (one warning); or not activated yet
-    )
+    PATCHED = words.PATCHED
+    UNPATCHED = words.UNPATCHED
+    ARMED = words.ARMED
+    NOT_INSTALLED = words.NOT_INSTALLED
+    NOT_NEEDED = words.NOT_NEEDED
+    OFF = words.OFF
+    SKIPPED = words.SKIPPED
 
 
 class Library:
-    """One target library in this process: its state, why, and the verdict on its module."""
+    """One patched library in this process: its state, why, and the verdict on its module."""
 
-    def __init__(self, target: Target) -> None:
-        self.target = target
-        self.state = State.SKIPPED  # until the first activation, which sets every library's state
-        self.reason = "not activated"
+    def __init__(self, facts: Facts) -> None:
+        self.facts = facts
+        self.state = State.OFF  # until the first activation, which sets every library's state
+        self.reason = "the fix has not been turned on in this process"
         self._verdict: tuple[weakref.ref[ModuleType], decide.Verdict] | None = None
         self.warned = False
 
     def module(self) -> ModuleType | None:
-        return sys.modules.get(self.target.module)
+        return sys.modules.get(self.facts.module)
 
     def applied(self) -> bool:
         """Patched, and our wrappers are its module's functions right now (not reloaded since)."""
@@ -62,7 +60,7 @@ class Library:
             return False
         from bnb_gc_fix import patch  # imports torch: only once something was patched
 
-        return patch.is_applied(module, self.target)
+        return patch.is_applied(module, self.facts)
 
     def set(self, state: State, reason: str) -> None:
         self.state = state
@@ -70,7 +68,7 @@ class Library:
 
     def judge(self, module: ModuleType, mode: str) -> decide.Verdict:
         """Decide on ``module`` (probing its code) and record the verdict."""
-        verdict = decide.judge(module, force=vocabulary.forces(mode), target=self.target)
+        verdict = decide.judge(module, force=words.forces(mode), library=self.facts)
         self._verdict = (weakref.ref(module), verdict)
         return verdict
 
@@ -93,15 +91,16 @@ class Library:
         unless what it promised no longer holds (a reload undid the patch; what an armed library
         waits for is not installed, fails to import, or will never come)."""
         if self.state is State.PATCHED and not self.applied():
-            return State.UNPATCHED, _UNPATCHED.format(module=self.target.module)
-        if self.state is State.ARMED and self.target is BITSANDBYTES:
+            return State.UNPATCHED, _UNPATCHED.format(module=self.facts.module)
+        if self.state is State.ARMED and self.facts is BITSANDBYTES:
             return _armed_bitsandbytes(self.reason)
         return self.state, self.reason
 
 
 _UNPATCHED = (
-    "{module} was reloaded or imported again after it was patched, so its own functions are back and "
-    "nothing is patched now; bnb_gc_fix.activate() patches it again"
+    "the functions of {module} are no longer the fix's since it was patched (the module was reloaded or "
+    "imported again, or something replaced them), so nothing is patched now; bnb_gc_fix.activate() "
+    "patches it again"
 )
 
 
@@ -109,14 +108,14 @@ def _armed_bitsandbytes(reason: str) -> tuple[State, str]:
     """Armed bitsandbytes, as it stands now: waiting, or never coming (too old, not installed, or
     failing to import). Reads ``sys.modules``, the import failures recorded by ``bnb-gc-fix`` commands,
     and ``sys.path``; imports nothing."""
-    version = BITSANDBYTES.version()
+    version = decide.library_version(BITSANDBYTES)
     if version is not None and decide.before_parametrize(version):  # it will never import parametrize
         return State.NOT_NEEDED, f"{decide.no_parametrize(version)}; nothing to patch"
     for name in ("torch", "bitsandbytes"):
         if installed.absent(name):
             return State.NOT_INSTALLED, _NOT_INSTALLED.format(name=name)
     failed = installed.failures()
-    for name in ("torch", "bitsandbytes", decide.BNB_PARAMETRIZE):
+    for name in ("torch", "bitsandbytes", BITSANDBYTES.module):
         if name in failed and name not in sys.modules:
             return State.ARMED, f"{failed[name]}; nothing to patch"
     return State.ARMED, reason
@@ -134,10 +133,10 @@ class _Process:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.libraries = {target.module: Library(target) for target in TARGETS}
+        self.libraries = {facts.module: Library(facts) for facts in LIBRARIES}
         self.switch: str | None = None  # BNB_GC_FIX as the last activation read it
-        self.mode = vocabulary.AUTO
-        self.via: str | None = None  # a vocabulary.VIA_* value: what turned the fix on
+        self.mode = words.AUTO
+        self.via: str | None = None  # a words.VIA_* value: what turned the fix on
         self.warned_switch = False
 
 
@@ -154,15 +153,15 @@ if hasattr(os, "register_at_fork"):
 
 
 # --- warnings at the user's line ---------------------------------------------------------------------
-_OURS = (
+_OUR_FOLDERS = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(vocabulary.__file__)) + os.sep + "_bnb_gc_fix_",
+    os.path.dirname(os.path.abspath(words.__file__)) + os.sep,
 )
 
 
-def _is_ours(filename: str) -> bool:
+def _is_our_file(filename: str) -> bool:
     path = filename if filename.startswith("<") else os.path.abspath(filename)
-    return path.startswith(_OURS)
+    return path.startswith(_OUR_FOLDERS)
 
 
 def _is_import_machinery(filename: str) -> bool:
@@ -170,7 +169,7 @@ def _is_import_machinery(filename: str) -> bool:
 
 
 def _warn(message: str, category: type[Warning]) -> None:
-    """Warn at the user's line: the first frame outside this package and our top-level modules
+    """Warn at the user's line: the first frame outside this package and the private one
     (importlib's frames are skipped without counting, as ``warnings`` does)."""
     level = 1
     frame = sys._getframe(1)
@@ -178,7 +177,7 @@ def _warn(message: str, category: type[Warning]) -> None:
         filename = frame.f_code.co_filename
         if not _is_import_machinery(filename):
             level += 1
-            if not _is_ours(filename):
+            if not _is_our_file(filename):
                 break
         frame = frame.f_back  # type: ignore[assignment]
     warnings.warn(message, category, stacklevel=level)
@@ -193,13 +192,13 @@ def _skip(library: Library, reason: str) -> None:
 
 
 # --- patching one library ----------------------------------------------------------------------------
-def initializing(module: ModuleType) -> bool:
-    """Whether ``module``'s code is still running (the import system's own flag, read only)."""
+def _initializing(module: ModuleType) -> bool:
+    """Whether ``module``'s import has not completed yet (the import system's own flag, read only)."""
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
-    """Decide on an imported target module and patch it if needed (under the lock). ``late``: it was
+    """Decide on an imported library module and patch it if needed (under the lock). ``late``: it was
     imported before the fix was activated, so modules registered by it before now keep the plain pair."""
     from bnb_gc_fix import patch
 
@@ -209,69 +208,59 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
         return
     if not verdict.patch:
         library.set(State.NOT_NEEDED, verdict.decision)
-        asked_for_it = process.mode == vocabulary.ON  # the user switched it on: say why nothing happened
+        asked_for_it = process.mode == words.ON  # the user switched it on: say why nothing happened
         level = logging.INFO if asked_for_it else logging.DEBUG
         logger.log(level, "nothing needed patching: %s", verdict.reason)
         return
-    patch.apply(module, library.target, replace_always_called=vocabulary.forces(process.mode))
+    patch.apply(module, library.facts, replace_always_called=words.forces(process.mode))
     reason = verdict.decision
     if late:
         reason += (
-            f". {library.target.module} was already imported when the fix was activated: a model "
+            f". {library.facts.module} was already imported when the fix was activated: a model "
             "quantized before then keeps the plain pair; bnb_gc_fix.repair(model) replaces it"
         )
     library.set(State.PATCHED, reason)
     logger.info("%s", reason)
 
 
-def _armed_reason(target: Target) -> str:
-    if target is BITSANDBYTES:
+def _armed_reason(facts: Facts) -> str:
+    if facts is BITSANDBYTES:
         return (
-            f"armed: {target.module} is not imported yet (bitsandbytes imports it when a model is "
+            f"armed: {facts.module} is not imported yet (bitsandbytes imports it when a model is "
             "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
         )
-    return f"armed: {target.module} is not imported yet; the fix checks and patches it the moment it is"
+    return f"armed: {facts.module} is not imported yet; the fix checks and patches it the moment it is"
 
 
 def _arm(library: Library) -> None:
-    """Patch the library's module now if it is imported, else once its import (under way, or next) ends."""
-    name = library.target.module
+    """Patch the library's module now if it is imported, else once a watcher has seen its import end
+    (the one under way through a watcher's loader, or the next)."""
+    name = library.facts.module
     module = sys.modules.get(name)
-    if module is not None and not initializing(module):
-        _apply(library, module, late=True)
-        return
-    library.set(State.ARMED, _armed_reason(library.target))
-    if imports.when_imported(name, _on_imported):
-        if module is not None:
-            logger.debug("%s is being imported; deciding once its code has run", name)
-        return
-    # when_imported declined: the module was imported meanwhile, or is being imported by a loader no
-    # watcher wraps.
-    module = sys.modules.get(name)
-    if module is None or initializing(module):
+    if module is not None and _initializing(module) and name not in startup.executing:
         _skip(
             library,
             f"{name} was being imported when the fix was activated and that import cannot be "
             "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
         )
         return
-    _apply(library, module)
+    if module is not None and name not in startup.executing:
+        _apply(library, module, late=True)
+        return
+    library.set(State.ARMED, _armed_reason(library.facts))
+    startup.watch_first()
 
 
-def _on_imported(name: str) -> None:
-    """A target module's code has run to its end: decide and patch, as the last activation read the
-    switch. Never raises."""
+def on_imported(name: str) -> None:
+    """A watched module's code has run to its end (a watcher's loader says so): decide and patch it,
+    as the last activation read the switch, if its library is armed. Never raises."""
     library = process.libraries.get(name)
-    if library is None:  # only _arm registers this callback, and only for a library's module
+    if library is None:
         return
     try:
         with process.lock:
-            if library.state is not State.ARMED:  # cancelled since: by deactivate(), or the switch off
-                return
             module = library.module()
-            if module is None:  # removed from sys.modules meanwhile: wait for the next import
-                _arm(library)
-            else:
+            if library.state is State.ARMED and module is not None:  # not cancelled since
                 _apply(library, module)
     except Exception as error:
         _skip(library, f"patching failed: {type(error).__name__}: {error}; nothing patched")
@@ -281,14 +270,14 @@ def _on_imported(name: str) -> None:
 def _read_switch() -> None:
     """Read ``BNB_GC_FIX`` into ``process`` (it holds until the next activation); warn once about a
     value that is not known."""
-    process.switch = os.environ.get(vocabulary.VARIABLE)
-    process.mode, recognised = vocabulary.parse(process.switch)
+    process.switch = os.environ.get(words.VARIABLE)
+    process.mode, recognised = words.parse(process.switch)
     if recognised or process.warned_switch:
         return
     process.warned_switch = True
     _warn(
-        f"{vocabulary.VARIABLE}={process.switch!r} is not a known value; accepted values are "
-        f"{vocabulary.ACCEPTED}. Behaving as 'auto'.",
+        f"{words.VARIABLE}={process.switch!r} is not a known value; accepted values are "
+        f"{words.ACCEPTED}. Behaving as 'auto'.",
         SwitchValueWarning,
     )
 
@@ -296,7 +285,7 @@ def _read_switch() -> None:
 def _switch_off() -> None:
     """``BNB_GC_FIX`` switches the fix off: every library not patched already is off (an earlier patch
     stays until ``deactivate()``)."""
-    off = f"{vocabulary.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
+    off = f"{words.VARIABLE}={process.switch!r} switches the fix off; nothing patched"
     for library in process.libraries.values():
         if not library.applied():
             library.set(State.OFF, f"disabled by the environment: {off}")
@@ -313,13 +302,13 @@ def _arm_every_library() -> None:
             _skip(library, f"activation failed: {type(error).__name__}: {error}; nothing patched")
 
 
-def activate(*, via: str = vocabulary.VIA_ACTIVATE) -> None:
+def activate(*, via: str = words.VIA_ACTIVATE) -> None:
     """Turn the fix on as ``BNB_GC_FIX`` says (read now): patch each known library now if imported,
     else when it is imported. Idempotent; never raises (a problem becomes a warning and a reason)."""
     try:
         with process.lock:
             _read_switch()
-            if process.mode == vocabulary.OFF:
+            if process.mode == words.OFF:
                 _switch_off()
                 return
             if process.via is None or not on():
@@ -339,7 +328,7 @@ def deactivate() -> None:
             if module is not None:
                 from bnb_gc_fix import patch  # imports torch, which the library's module has imported
 
-                patch.remove(module, library.target)
+                patch.remove(module, library.facts)
             library.set(State.OFF, "deactivated by deactivate()")
         notebook.remove()
 
@@ -348,7 +337,7 @@ def credit(via: str) -> None:
     """Say that ``via`` turned the fix on: a ``bnb-gc-fix`` command, whose own import of the package
     did, while that import is all that turned it on so far."""
     with process.lock:
-        if process.via == vocabulary.VIA_IMPORT:
+        if process.via == words.VIA_IMPORT:
             process.via = via
 
 

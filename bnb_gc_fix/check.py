@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import BITSANDBYTES, cache
 
 
 class CannotRunError(Exception):
@@ -39,13 +39,7 @@ class CheckResult:
 
 def _imports() -> tuple[Any, Any]:
     """torch and bitsandbytes' parametrize module, or a CannotRunError saying why not."""
-    from bnb_gc_fix.decide import (
-        BNB_PARAMETRIZE,
-        MIN_TORCH,
-        before_parametrize,
-        no_parametrize,
-        torch_too_old,
-    )
+    from bnb_gc_fix.decide import MIN_TORCH, before_parametrize, no_parametrize, torch_too_old
     from bnb_gc_fix.installed import missing, try_import
 
     torch, problem = try_import("torch")
@@ -68,7 +62,7 @@ def _imports() -> tuple[Any, Any]:
     version = str(getattr(bitsandbytes, "__version__", "?"))
     if before_parametrize(version):
         raise CannotRunError(f"{no_parametrize(version)}; there is nothing to check")
-    parametrize, problem = try_import(BNB_PARAMETRIZE)
+    parametrize, problem = try_import(BITSANDBYTES.module)
     if parametrize is None:
         raise CannotRunError(f"{problem}; there is nothing to check")
     return torch, parametrize

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import _bnb_gc_fix_vocabulary as vocabulary
+import _bnb_gc_fix as words
 from bnb_gc_fix import __version__, activation
 from bnb_gc_fix.installed import distribution_version, import_installed
 from bnb_gc_fix.status import status as fix_status
@@ -97,7 +97,7 @@ def _check_exit_code(result: check.CheckResult | None) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from bnb_gc_fix import runner
 
-    return runner.run(args.argv[1:] if args.argv[:1] == ["--"] else args.argv)
+    return runner.run(args.argv[1:] if args.argv[:1] == ["--"] else args.argv, usage=EXIT_USAGE)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,7 +172,7 @@ def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    activation.credit(vocabulary.VIA_COMMAND)  # this command's own import of the package turned it on
+    activation.credit(words.VIA_COMMAND)  # this command's own import of the package turned it on
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     args = argparse.Namespace()

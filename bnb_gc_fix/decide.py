@@ -1,31 +1,36 @@
 """Deciding whether to act: a probe of the real code, with versions read from imported modules.
 
-Nothing here imports torch or bitsandbytes ahead of the user: versions come from ``sys.modules``, and
-the probe runs only on a target module (:mod:`bnb_gc_fix.targets`) the user's program has imported.
+Nothing here imports torch or a library ahead of the user: versions come from ``sys.modules``, and the
+probe runs only on a library's module (``_bnb_gc_fix.LIBRARIES``) the user's program has imported.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
 from dataclasses import dataclass
 from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from bnb_gc_fix.targets import BITSANDBYTES, Target
+import _bnb_gc_fix as words
+from _bnb_gc_fix import BITSANDBYTES, Facts
 
 FIRST_AFFECTED = Version(BITSANDBYTES.first_affected)
 MIN_TORCH = Version("2.1")  # Module.register_forward_hook(always_call=True)
 
-BNB_PARAMETRIZE = (
-    BITSANDBYTES.module
-)  # bitsandbytes.nn.parametrize (_bnb_gc_fix_cache.PARAMETRIZE is torch's)
+
+def library_version(library: Facts) -> str | None:
+    """``<name>.__version__`` if the library is imported (never imports it)."""
+    return _imported_version(library.name)
 
 
 def torch_version() -> str | None:
     """``torch.__version__`` if torch is imported (never imports it)."""
-    version = getattr(sys.modules.get("torch"), "__version__", None)
+    return _imported_version("torch")
+
+
+def _imported_version(name: str) -> str | None:
+    version = getattr(sys.modules.get(name), "__version__", None)
     if version is None:
         return None
     return str(version)
@@ -41,12 +46,12 @@ def _release(version: str | None) -> Version | None:
         return None
 
 
-def version_in_range(target: Target, version: str | None) -> bool | None:
-    """Whether a version of ``target`` falls in its affected range (None: unknown)."""
+def version_in_range(library: Facts, version: str | None) -> bool | None:
+    """Whether a version of ``library`` falls in its affected range (None: unknown)."""
     release = _release(version)
     if release is None:
         return None
-    return Version(target.first_affected) <= release < Version(target.first_fixed)
+    return Version(library.first_affected) <= release < Version(library.first_fixed)
 
 
 def torch_too_old(version: str | None) -> bool:
@@ -64,12 +69,12 @@ def before_parametrize(version: str) -> bool:
 def no_parametrize(version: str) -> str:
     """Why a bitsandbytes before 0.48.0 needs nothing: the sentence status, CLI and check share."""
     added = f"added in {FIRST_AFFECTED}"
-    return f"bitsandbytes {version} has no {BNB_PARAMETRIZE} ({added}), so it cannot leak this way"
+    return f"bitsandbytes {version} has no {BITSANDBYTES.module} ({added}), so it cannot leak this way"
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """What the decision found for one imported target module."""
+    """What the decision found for one imported library module."""
 
     patch: bool  # wrap its functions
     unexpected: bool  # its internals do not look as expected: nothing may be patched; the user is warned
@@ -89,42 +94,40 @@ class Verdict:
         return f"{self.reason}; {outcome}"
 
 
-def _signature_problem(target: Target, module: ModuleType) -> str | None:
-    for name, arity in target.signatures:
-        function = getattr(module, name, None)
-        if function is None:
-            return f"{target.module} has no {name}()"
-        if not callable(function):
-            return f"{target.module}.{name} is not callable"
-        try:
-            parameters = inspect.signature(function).parameters.values()
-        except (TypeError, ValueError):
-            return f"the signature of {target.module}.{name}() cannot be read"
-        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        required = [p for p in positional if p.default is p.empty]
-        if len(required) > arity or len(positional) < arity:
-            names = ", ".join(p.name for p in positional)
-            expected = f"{arity} positional arguments this fix expects"
-            return f"{target.module}.{name}({names}) does not take the {expected}"
+def _missing_function(library: Facts, module: ModuleType) -> str | None:
+    """What is missing of the three functions the patch wraps, if anything."""
+    for name in (library.register, words.ENABLE_HOOK, words.DISABLE_HOOK):
+        if not callable(getattr(module, name, None)):
+            return f"{library.module} has no {name}()"
     return None
 
 
-def probe(module: ModuleType, target: Target) -> tuple[bool | None, str]:
-    """Call the target's registering function on a throwaway module: ``(affected, what it did)``.
+def _probe_module() -> object:
+    """A throwaway module with a small float weight: a register function takes it and ``"weight"``
+    (axolotl's quantizes the weight first, and bitsandbytes' CPU int8 quantizer takes 2-D tensors)."""
+    import torch
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(torch.ones(2, 4), requires_grad=False)
+    return module
+
+
+def probe(module: ModuleType, library: Facts) -> tuple[bool | None, str]:
+    """Call the library's registering function on a throwaway module: ``(affected, what it did)``.
 
     ``affected`` is None when the result is unexpected (whatever goes wrong is described, never
     raised) and False for upstream's fix.
     """
-    from bnb_gc_fix.hooks import cache_hooks  # imports torch, which the target module has imported
+    from bnb_gc_fix.hooks import cache_hooks  # imports torch, which the library's module has imported
 
-    register = getattr(module, target.register)
+    register = getattr(module, library.register)
     register = getattr(register, "__wrapped__", register)  # judge the library, not our wrapper
     try:
-        args = target.probe_args()
-        register(*args)
+        probed = _probe_module()
+        register(probed, "weight")
     except Exception as error:  # the probe must never break the user's import
         return None, f"registering hooks on a probe module raised {type(error).__name__}: {error}"
-    found = cache_hooks(args[0])
+    found = cache_hooks(probed)  # type: ignore[arg-type]
     if len(found.enables) != 1 or len(found.disables) != 1:
         return None, (
             f"the probe module got {len(found.enables)} enable and {len(found.disables)} disable cache "
@@ -135,12 +138,12 @@ def probe(module: ModuleType, target: Target) -> tuple[bool | None, str]:
     return True, "plain forward hook pair (skipped when a forward raises)"
 
 
-def _range_text(target: Target, by_version: bool | None) -> str:
-    """Where the version lies against the target's affected range, as the end of a sentence."""
+def _range_text(library: Facts, by_version: bool | None) -> str:
+    """Where the version lies against the library's affected range, as the end of a sentence."""
     if by_version is None:
         return "has an unreadable version"
     where = "in" if by_version else "outside"
-    return f"is {where} the affected range {target.affected_range}"
+    return f"is {where} the affected range {library.affected_range}"
 
 
 def _skipped(reason: str, affected: bool | None, probe: str = "not run") -> Verdict:
@@ -148,22 +151,22 @@ def _skipped(reason: str, affected: bool | None, probe: str = "not run") -> Verd
     return Verdict(patch=False, unexpected=True, affected=affected, probe=probe, reason=reason)
 
 
-def judge(module: ModuleType, force: bool, target: Target) -> Verdict:
-    """Decide what to do with an imported target module: check the torch and the functions it needs,
+def judge(module: ModuleType, force: bool, library: Facts) -> Verdict:
+    """Decide what to do with an imported library module: check the torch and the functions it needs,
     then probe the library's own code."""
-    version = target.version()
-    by_version = version_in_range(target, version)
-    label = f"{target.name} {version}" if version else f"this {target.name}"
+    version = library_version(library)
+    by_version = version_in_range(library, version)
+    label = f"{library.name} {version}" if version else f"this {library.name}"
 
     torch = torch_version()
     if torch_too_old(torch):
         too_old = f"torch {_release(torch)} cannot run forward hooks with always_call=True"
         return _skipped(f"{too_old} (needs torch >= {MIN_TORCH})", affected=by_version)
-    problem = _signature_problem(target, module)
-    if problem is not None:
-        return _skipped(problem, affected=None)
+    missing = _missing_function(library, module)
+    if missing is not None:
+        return _skipped(missing, affected=None)
 
-    affected, seen = probe(module, target)
+    affected, seen = probe(module, library)
     if affected is None:
         return _skipped(f"{label} does not look as expected: {seen}", affected=None, probe=seen)
     if force and not affected:
@@ -177,10 +180,10 @@ def judge(module: ModuleType, force: bool, target: Target) -> Verdict:
     found = f"the probe found {'a' if affected else 'its'} {seen}"
     version_disagrees = by_version is not None and by_version != affected
     if version_disagrees:
-        reason = f"{label} {_range_text(target, by_version)}, but {found}, and the probe wins"
+        reason = f"{label} {_range_text(library, by_version)}, but {found}, and the probe wins"
     else:
-        reason = f"{label} {_range_text(target, by_version)} and {found}"
-    advice = NOT_NEEDED if target is BITSANDBYTES and not affected else ""
+        reason = f"{label} {_range_text(library, by_version)} and {found}"
+    advice = NOT_NEEDED if library is BITSANDBYTES and not affected else ""
     return Verdict(
         patch=affected, unexpected=False, affected=affected, probe=seen, reason=reason, advice=advice
     )

@@ -1,156 +1,109 @@
-"""The gate: one pair of hooks per module, in the place of bitsandbytes' plain pairs.
+"""The gate: one pair of hooks per quantized module, in the place of bitsandbytes' plain pairs.
 
 bitsandbytes 0.48-0.49 switch torch's parametrization cache on and off around every forward of a
-quantized module with a plain pair of hooks per parameter. A forward left by an exception skips the
-"off", so the cache is never emptied again. A gate's pre-hook (:class:`EnterHook`) takes one *hold* on
-torch's counter and notes the call that took it; its always-called forward hook (:class:`LeaveHook`)
-gives one back. torch runs always-called hooks after an ``Exception``, but not after a
-``BaseException`` such as ``KeyboardInterrupt``: a hold such a forward left behind is found and given
-back (:func:`_heal`) at the module's next forward on that thread, when its module is collected, when
-its thread ends, or when a forked child drops its parent's other threads.
+quantized module with a plain pair of hooks per parameter; a forward left by an exception skips the
+"off", and the cache is never emptied again. A gate's pre-hook (:class:`EnterHook`) takes one *hold*
+on torch's counter; its always-called forward hook (:class:`LeaveHook`) gives it back. torch runs
+always-called hooks after an ``Exception`` (non-reentrant checkpointing's early stop among them), but
+no hook at all after a ``BaseException`` such as ``KeyboardInterrupt``. A hold such a forward left
+behind is given back at the module's next re-entry on that thread, when the module is collected, when
+its thread ends (a forked child's other threads too), or by a safety net (:func:`give_back_ended`).
 
-How a hold is known to be live: each hold remembers the frame that called the pre-hook (torch's
-``Module._call_impl``, or the function in it that runs the hooks). A hold is live while that frame is on
-the thread's stack. Holds nest (an inner self-call's after the outer one's), so the innermost live hold
-vouches for every one before it, and a self-call checks one frame a few levels down: the cost does not
-depend on how deep the calls nest, nor on how ``Module.__call__`` is wrapped. Where torch.compile traces
-the pre-hook there is no frame to take (reading one would break the graph): such a hold is counted
-against the compiled ``_call_impl`` frames of its module instead, outside the trace.
+Each hold remembers the frame that called the pre-hook (torch's ``Module._call_impl``); the call is
+running while that frame is on its thread's stack. That is read only at a *re-entry*, when a pre-hook
+finds its thread already holding the module: a module calling itself finds the outer call's frame a
+few frames down, whatever the depth; a hold whose frame is gone is given back. Where torch.compile
+traces the pre-hook there is no frame to take (reading one would break the graph): such a hold is
+given back at the module's next re-entry, which makes a compiled module that calls itself dequantize
+again in its inner calls, never leak.
 
-The counter's update has no call in it, so the GIL never switches threads in the middle of it (3.10+);
-free-threaded builds take a lock instead (:class:`LockedEnterHook`, :class:`LockedLeaveHook`).
+Holds nest: a thread takes a hold on a module inside the calls of the ones it holds already, so the
+live holds come first and the ended ones last. The counter's update has no call in it, so a thread
+with the GIL never switches in the middle of it (Python 3.10+), as in torch's own ``P.cached()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import pkgutil
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, TypeVar, cast
+from typing import Any, Optional
 
 import torch
 import torch.nn.utils.parametrize as P
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import cache
 
 _frame = sys._getframe
-_F = TypeVar("_F", bound=Callable[..., Any])
-_GIL = cache.gil_enabled()
-_LOCK = threading.RLock()  # taken by the hooks of a free-threaded build
-
-#: How the frames torch.compile runs ``Module._call_impl`` as are recognised: Dynamo's copy of its code
-#: (the same name and file, another code object) or one of its resume functions. The file is read from a
-#: method nobody wraps; the eager code object is the one a hold's frame already accounts for.
-_MODULE_FILE = torch.nn.Module.register_forward_hook.__code__.co_filename
-_CALL_IMPL_NAME = "_call_impl"
-_RESUME_PREFIX = "torch_dynamo_resume_in__call_impl"
-_EAGER_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
-def _legacy_compiling() -> bool:  # torch < 2.3
-    return bool(torch._dynamo.is_compiling())
+def _never_compiling() -> bool:  # a torch before torch.compiler.is_dynamo_compiling (2.3)
+    return False
 
 
-#: True where Dynamo traces the caller (it folds the call to a constant), False elsewhere.
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", None) or _legacy_compiling
+#: True where Dynamo traces the caller (it folds the call to a constant), False in eager mode.
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 
-def eager_only(function: _F) -> _F:
-    """Keep ``function`` out of torch.compile's traces: Dynamo calls it as it is, in a graph break."""
-    try:
-        return cast(_F, torch.compiler.disable(function))  # type: ignore[no-untyped-call]
-    except Exception:  # a torch without a usable compiler: nothing traces it there
-        return function
+def _give_back_one() -> None:
+    """Give back one hold: the counter never goes below 0, and the cache is emptied at 0."""
+    remaining = P._cache_enabled - 1
+    if remaining > 0:
+        P._cache_enabled = remaining
+    else:
+        P._cache_enabled = 0
+        P._cache = {}
 
 
 # --- holds -------------------------------------------------------------------------------------------
-class Holds:
-    """One thread's holds on one gate: for each, the frame of the call that took it (None where
-    torch.compile traced the pre-hook), outermost first. Given back when it dies: its thread ended, or
-    its module was collected."""
+#: One thread's holds on one gate, outermost first: for each, the frame of the call that took it (None
+#: where torch.compile traced the pre-hook). A plain list: the hooks' hot path.
+Holds = list[Optional[FrameType]]
 
-    __slots__ = ("__weakref__", "calls", "gate", "spacing", "thread")
 
-    def __init__(self, gate: weakref.ref[Gate]) -> None:
-        self.calls: list[FrameType | None] = []
-        self.gate = gate
+class ThreadHolds:
+    """One thread's holds on one gate, as :func:`every_holds` lists them. What is left in them when this
+    dies (with the thread's copy of the gate: its thread ended, or its module was collected) is given
+    back."""
+
+    __slots__ = ("__weakref__", "holds", "thread")
+
+    def __init__(self, holds: Holds) -> None:
+        self.holds = holds
         self.thread = threading.get_ident()
-        # How many frames below a pre-hook's caller the innermost hold's frame was at the last
-        # self-call: where :func:`_running` looks first.
-        self.spacing = 0
-
-    def forget(self, count: int) -> int:
-        """Forget the innermost ``count`` holds (all of them, at most) without giving them back to
-        torch's counter; returns how many were forgotten."""
-        count = max(min(count, len(self.calls)), 0)
-        del self.calls[len(self.calls) - count :]
-        return count
-
-    def give_back(self, count: int) -> None:
-        """Give back the innermost ``count`` holds (all of them, at most)."""
-        forgotten = self.forget(count)
-        if forgotten:
-            cache.give_back(forgotten)
 
     def __del__(self) -> None:
-        try:
-            self.give_back(len(self.calls))
-        except Exception:  # at interpreter shutdown
-            pass
+        with contextlib.suppress(Exception):  # at interpreter shutdown
+            cache.give_back(len(self.holds))
 
 
-_HOLDS: weakref.WeakSet[Holds] = weakref.WeakSet()  # every thread's holds on every gate
+_EVERY_HOLDS: weakref.WeakSet[ThreadHolds] = weakref.WeakSet()  # every thread's holds on every gate
 
 
-def every_holds() -> list[Holds]:
-    """A snapshot of every thread's holds on every gate (another thread's first forward may add one)."""
+def every_holds() -> list[ThreadHolds]:
+    """A snapshot of every thread's holds on every gate (another thread's first forward may add one
+    while it is taken: then it is taken again)."""
     while True:
-        with contextlib.suppress(RuntimeError):  # "Set changed size during iteration": take it again
-            return list(_HOLDS)
+        with contextlib.suppress(RuntimeError):  # "Set changed size during iteration"
+            return list(_EVERY_HOLDS)
 
 
-class _PerThread(threading.local):
-    """A gate's holds on the thread that reads it; ``calls`` is ``holds.calls``, one attribute fewer on
-    the hot path."""
-
-    def __init__(self, gate: weakref.ref[Gate]) -> None:  # runs once in every thread that uses it
-        self.holds = Holds(gate)
-        self.calls = self.holds.calls
-        _HOLDS.add(self.holds)
-
-
-def forget_holds() -> None:
+def _forget_every_hold() -> None:
     """Every gate forgets its holds on every thread, giving nothing back (the counter was reset)."""
-    for holds in every_holds():
-        holds.calls.clear()
+    for thread_holds in every_holds():
+        thread_holds.holds.clear()
 
 
-cache.on_reset(forget_holds)
+cache.on_reset(_forget_every_hold)
 
 
-def _after_fork_in_child() -> None:
-    """A forked child has one thread: give back every other thread's holds (also one a frame keeps)."""
-    global _LOCK
-    _LOCK = threading.RLock()  # never wait on a lock one of the parent's threads held
-    with contextlib.suppress(Exception):  # never disturb a fork
-        me = threading.get_ident()
-        for holds in every_holds():
-            if holds.thread != me:
-                holds.give_back(len(holds.calls))
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-# --- which holds are live ----------------------------------------------------------------------------
-def stack_from(start: FrameType | None) -> Iterator[FrameType]:
+# --- which holds have ended ------------------------------------------------------------------------
+def _stack(start: FrameType | None) -> Iterator[FrameType]:
     """``start`` and every frame below it on this thread."""
     frame = start
     while frame is not None:
@@ -158,115 +111,78 @@ def stack_from(start: FrameType | None) -> Iterator[FrameType]:
         frame = frame.f_back
 
 
-def _running(holds: Holds, start: FrameType, offset: int) -> bool:
-    """Whether the innermost hold's call is still running: its frame is on the stack below ``start``,
-    the caller of the pre-hook, which is ``offset`` frames below this function's own.
-
-    A module calling itself takes its holds a fixed number of frames apart, so the frame is looked for
-    first where it was at the last self-call (one step of the interpreter's own, ``sys._getframe``);
-    only when it is not there is the stack read down, frame by frame, and the spacing learnt (for a
-    hold a ``BaseException`` left, the whole stack, once here and once in :func:`_heal`). Either
-    way a frame is found only if it is on this thread's stack, so the answer is exact. False for a hold
-    taken in a compiled trace (no frame): :func:`_heal` then counts the compiled calls instead.
-    """
-    owner = holds.calls[-1]
-    if owner is None:
-        return False
-    try:
-        if _frame(offset + holds.spacing) is owner:
-            return True
-    except ValueError:  # the stack is not that deep now
-        pass
-    spacing = 0
+def _on_stack(wanted: FrameType | None, start: FrameType) -> bool:
+    """Whether ``wanted`` is ``start`` or a frame below it on this thread."""
     frame: FrameType | None = start
     while frame is not None:
-        if frame is owner:
-            holds.spacing = spacing
+        if frame is wanted:
             return True
         frame = frame.f_back
-        spacing += 1
     return False
 
 
-def _runs_compiled_call_impl(frame: FrameType) -> bool:
-    """Whether ``frame`` runs ``Module._call_impl`` as torch.compile made it (never the eager code,
-    whose calls the holds' frames already account for)."""
-    code = frame.f_code
-    if code.co_filename != _MODULE_FILE or code is _EAGER_CALL_IMPL:
-        return False
-    return code.co_name == _CALL_IMPL_NAME or code.co_name.startswith(_RESUME_PREFIX)
+def _forget_ended(holds: Holds, stack: set[FrameType], most: int) -> int:
+    """Forget, innermost first and at most ``most`` of them, the holds whose frames are not in
+    ``stack`` (a hold without a frame among them), without giving them back; returns how many."""
+    forgotten = 0
+    while forgotten < most and holds and holds[-1] not in stack:
+        holds.pop()
+        forgotten += 1
+    return forgotten
 
 
-def _compiled_calls(stack: list[FrameType], gate: Gate) -> int:
-    """How many compiled calls of ``gate``'s module run on ``stack``."""
-    count = 0
-    for frame in stack:
-        if _runs_compiled_call_impl(frame) and Gate.of(frame.f_locals.get("self")) is gate:
-            count += 1
-    return count
+def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
+    """Give back this thread's holds on a gate whose calls have ended, as the gate's pre-hook is
+    entered again (``caller``: the frame calling it; None in a compiled trace).
 
-
-def live_holds(holds: Holds, stack: list[FrameType], entering_compiled: bool = False) -> int:
-    """How many of ``holds`` (outermost first) belong to calls still running on ``stack``.
-
-    A hold with a frame is live while its frame is on the stack; a hold taken in a compiled trace is
-    live while a compiled call of its module is (``entering_compiled``: the innermost of those is the
-    call being entered, which holds nothing yet). Holds nest, so the first one found ended ends the
-    count: every hold after it was taken inside its call.
+    A module calling itself: the innermost hold's frame is a few frames below the caller, whatever
+    the depth, and nothing is given back. A hold a ``BaseException`` left: its frame is not on the
+    stack, which is then read once, and every ended hold is given back. In a compiled trace only
+    holds without a frame are given back: nothing else can be read there.
     """
-    gate = holds.gate()
-    on_stack = {id(frame) for frame in stack}
-    unclaimed: int | None = None  # compiled calls not yet matched to a hold, counted when first needed
-    live = 0
-    for owner in holds.calls:
-        if owner is None:
-            if unclaimed is None:
-                unclaimed = 0 if gate is None else _compiled_calls(stack, gate) - int(entering_compiled)
-            if unclaimed <= 0:
-                break
-            unclaimed -= 1
-        elif id(owner) not in on_stack:
-            break
-        live += 1
-    return live
+    if caller is None:
+        while holds and holds[-1] is None:
+            _give_back_one()
+            holds.pop()
+        return
+    if _on_stack(holds[-1], caller):
+        return
+    ended = _forget_ended(holds, set(_stack(caller)), len(holds))
+    cache.give_back(ended)
 
 
-@eager_only
-def _heal(holds: Holds, entering: FrameType | None) -> None:
-    """Give back this thread's holds on a gate whose calls have ended (left by a ``BaseException``).
-
-    Called by the pre-hook when the innermost hold's call is no longer running, with the frame of the
-    call being entered; or, where torch.compile traced the pre-hook, with None, in a graph break: the
-    stack then starts at this function's caller.
-    """
-    start = _frame(1) if entering is None else entering
-    stack = list(stack_from(start))
-    live = live_holds(holds, stack, entering_compiled=entering is None)
-    holds.give_back(len(holds.calls) - live)
+def give_back_ended(most: int) -> int:
+    """Give back at most ``most`` of this thread's holds, on every gate, whose calls have ended (left
+    by a ``BaseException``, or taken in a compiled trace); returns how many. What the safety nets
+    release as their own, from outside the forwards of gated modules (a forward still running around
+    the caller keeps its hold)."""
+    stack = set(_stack(_frame(1)))
+    me = threading.get_ident()
+    released = 0
+    for thread_holds in every_holds():
+        if thread_holds.thread == me:
+            released += _forget_ended(thread_holds.holds, stack, most - released)
+    cache.give_back(released)
+    return released
 
 
 # --- the gate and its two hooks ----------------------------------------------------------------------
-class Gate:
-    """What one module's two hooks share: every thread's holds on this module."""
+class Gate(threading.local):
+    """What one module's two hooks share: on each thread, that thread's holds on the module."""
 
-    __slots__ = ("__weakref__", "threads")
-
-    def __init__(self) -> None:
-        self.threads = _PerThread(weakref.ref(self))
+    def __init__(self) -> None:  # runs once in every thread that uses the gate, at its first use
+        self.holds: Holds = []
+        self.thread_holds = ThreadHolds(self.holds)
+        _EVERY_HOLDS.add(self.thread_holds)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
-        return type(self)()  # a copied module gets a fresh gate: holds belong to live calls
+        return Gate()  # a copied module gets a fresh gate: holds belong to live calls
 
     @staticmethod
-    def of(module: object) -> Gate | None:
+    def of(module: torch.nn.Module) -> Gate | None:
         """The gate on ``module``, if it has one."""
-        hooks = getattr(module, "_forward_pre_hooks", None)
-        if not isinstance(module, torch.nn.Module) or hooks is None:
-            return None
-        for hook in hooks.values():
-            if isinstance(hook, EnterHook):
-                return hook.gate
-        return None
+        enter = enter_hook(module)
+        return None if enter is None else enter.gate
 
 
 class _Hook:
@@ -274,11 +190,10 @@ class _Hook:
     replaced, by name, so a pickled module loads wherever the original did, with the package or
     without it, and holds a plain pair there (which the patch turns into a gate at its first forward)."""
 
-    __slots__ = ("gate", "replaced", "threads")
+    __slots__ = ("gate", "replaced")
 
     def __init__(self, gate: Gate, replaced: str) -> None:
         self.gate = gate
-        self.threads = gate.threads  # one attribute fewer on the hot path
         self.replaced = replaced  # "module:qualified name" of the function this hook replaced
 
     def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
@@ -296,17 +211,12 @@ class EnterHook(_Hook):
 
     __slots__ = ()
 
-    def __call__(self, module: torch.nn.Module, args: Any, caller: FrameType | None = None) -> None:
-        calls = self.threads.calls
-        if _compiling():
-            if calls:  # a self-call, or a hold left by a BaseException
-                _heal(self.threads.holds, None)
-            calls.append(None)
-        else:
-            owner = caller or _frame(1)
-            if calls and not _running(self.threads.holds, owner, offset=2):  # that call has ended
-                _heal(self.threads.holds, owner)
-            calls.append(owner)
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        holds = self.gate.holds
+        caller = None if _compiling() else _frame(1)
+        if holds:  # a re-entry: a self-call, or a hold a BaseException left
+            _give_back_at_reentry(holds, caller)
+        holds.append(caller)
         P._cache_enabled += 1
 
 
@@ -316,44 +226,21 @@ class LeaveHook(_Hook):
     __slots__ = ()
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        calls = self.threads.calls
-        if not calls:
-            return
-        calls.pop()
-        # cache.give_back(1) written out: a call costs time and lets a thread switch in between.
-        remaining = P._cache_enabled - 1
-        if remaining > 0:
-            P._cache_enabled = remaining
-        else:
-            P._cache_enabled = 0
-            P._cache = {}
+        holds = self.gate.holds
+        if holds:
+            _give_back_one()  # first: a fork in between gives it back twice (clamped), never leaks it
+            holds.pop()
 
 
-class LockedEnterHook(EnterHook):
-    """The pre-hook of a free-threaded build, where the counter's update needs a lock."""
-
-    __slots__ = ()
-
-    def __call__(self, module: torch.nn.Module, args: Any, caller: FrameType | None = None) -> None:
-        if caller is None and not _compiling():
-            caller = _frame(1)
-        with _LOCK:
-            super().__call__(module, args, caller)
-
-
-class LockedLeaveHook(LeaveHook):
-    """The forward hook of a free-threaded build."""
-
-    __slots__ = ()
-
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        with _LOCK:
-            super().__call__(module, args, output)
+def enter_hook(module: torch.nn.Module) -> EnterHook | None:
+    """The pre-hook of the gate on ``module``, if it has one."""
+    for hook in module._forward_pre_hooks.values():
+        if isinstance(hook, EnterHook):
+            return hook
+    return None
 
 
 def new_hooks(enable_replaced: str, disable_replaced: str) -> tuple[EnterHook, LeaveHook]:
     """A fresh gate's two hooks, standing in for the functions named (``"module:name"``)."""
     gate = Gate()
-    if _GIL:
-        return EnterHook(gate, enable_replaced), LeaveHook(gate, disable_replaced)
-    return LockedEnterHook(gate, enable_replaced), LockedLeaveHook(gate, disable_replaced)
+    return EnterHook(gate, enable_replaced), LeaveHook(gate, disable_replaced)

@@ -3,48 +3,61 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import sys
 import warnings
-from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar, cast
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import cache
 from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning
 
 logger = logging.getLogger("bnb_gc_fix")
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def check_and_release(strict: bool = False, start: int = 0) -> int:
-    """Release the holds added since the counter was ``start`` that no running call owns, and say so
-    (``strict=True``: raise :class:`CacheLeakError` after releasing); returns the holds released."""
+def _warn_every_time(message: str, stacklevel: int) -> None:
+    """``warnings.warn(message, CacheLeakWarning, stacklevel)``, shown at every call under Python's
+    default filters: they show a warning once per place and text, and each leaking step is news."""
+    frame = sys._getframe(stacklevel)
+    warnings.warn_explicit(
+        message,
+        CacheLeakWarning,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=None,  # no record of what was shown here already
+    )
+
+
+def check_and_release(strict: bool = False, start: int = 0, where: str = "the step") -> int:
+    """Release what the counter rose by since it was ``start`` and is provably left behind, and say so
+    (``strict=True``: raise :class:`CacheLeakError` after releasing); returns the holds released.
+    ``where`` names the step in the report."""
     end = cache.counter()
     if end <= max(start, 0):  # nothing added, or nothing held (torch's parametrize not imported: 0)
         return 0
-    from bnb_gc_fix.release import release_left_behind  # imports torch, which holds something now
+    from bnb_gc_fix.release import left_text, release_left_behind  # imports torch, which holds something
 
-    cached = cache.cached_bytes()
-    released = release_left_behind(end - start)
-    if not released:
+    found = release_left_behind(end - start)
+    if not found.released and not found.left:
         return 0
     message = (
-        f"bnb_gc_fix.guard: the parametrization cache counter went from {start} to {end} during the "
-        f"step and {released} of those holds belonged to no running call ({cached} bytes cached); "
-        f"released them. Cause: {cache.CAUSE}."
+        f"bnb_gc_fix.guard: the parametrization cache counter went from {start} to {end} during {where} "
+        f"({found.cached_bytes} bytes cached); released {found.released} holds left by calls that ended"
     )
+    if found.left:
+        message += f"; {left_text(found.left)}"
+    message += f". Cause: {cache.CAUSE}."
     logger.warning(message)
     if strict:
-        raise CacheLeakError(message, released, cached)
-    warnings.warn(message, CacheLeakWarning, stacklevel=3)
-    return released
+        raise CacheLeakError(message, found.released, found.cached_bytes)
+    _warn_every_time(message, stacklevel=3)
+    return found.released
 
 
 class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: `with guard():`)
-    """Around one training step (``with`` or decorator, outside any torch.compile trace): on exit,
-    :func:`check_and_release` of what it added (``strict`` only when no exception leaves the step)."""
+    """Around one training step (``with`` or decorator), outside torch.compile: ``guard()(compiled)``
+    guards a compiled step. On exit, :func:`check_and_release` of what it added (``strict`` only when no
+    exception leaves the step)."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
@@ -58,18 +71,3 @@ class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: 
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         check_and_release(strict=self.strict and exc_type is None, start=self._starts.pop())
-
-    def __call__(self, function: _F) -> _F:
-        @functools.wraps(function)
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            with self:
-                return function(*args, **kwargs)
-
-        # Dynamo skips this one frame (the `with`, which it cannot trace) and still compiles what it
-        # calls; only where torch is already imported (this never imports it).
-        if "torch" in sys.modules:
-            with contextlib.suppress(Exception):  # a torch without Dynamo: nothing to keep out
-                from torch._dynamo.decorators import skip
-
-                return cast(_F, skip(guarded))
-        return cast(_F, guarded)

@@ -2,9 +2,9 @@
 
 A plain pair is a forward pre-hook that switches torch's parametrization cache on and a forward hook
 that switches it off, registered by bitsandbytes or by a copy of its code (axolotl's). They are known
-by their functions' names (:data:`_bnb_gc_fix_vocabulary.LIBRARIES`), wrapped or not. The gate's hooks
-(:mod:`bnb_gc_fix.gate`) take the places of the first enable hook and the last disable hook, so every
-other hook runs in the order it did, and the others of the pairs are dropped.
+by their functions' names (``_bnb_gc_fix.ENABLE_HOOK`` and ``DISABLE_HOOK``), wrapped or not. The
+gate's hooks (:mod:`bnb_gc_fix.gate`) take the places of the first enable hook and the last disable
+hook, so every other hook runs in the order it did, and the others of the pairs are dropped.
 """
 
 from __future__ import annotations
@@ -15,21 +15,17 @@ from typing import Any
 
 import torch
 
-import _bnb_gc_fix_vocabulary as vocabulary
+import _bnb_gc_fix as words
 from bnb_gc_fix import gate
 
-_ENABLE_NAMES = frozenset(library.enable_hook for library in vocabulary.LIBRARIES)
-_DISABLE_NAMES = frozenset(library.disable_hook for library in vocabulary.LIBRARIES)
-_DISABLE_OF = {library.enable_hook: library.disable_hook for library in vocabulary.LIBRARIES}
 
-
-def _is_ours(hook: object) -> bool:
+def _is_gate_hook(hook: object) -> bool:
     return isinstance(hook, (gate.EnterHook, gate.LeaveHook))
 
 
-def _named(hook: object, names: frozenset[str]) -> bool:
-    """Whether ``hook`` is a function of one of ``names`` (or a wrapt wrapper of one), not ours."""
-    return getattr(hook, "__name__", None) in names and not _is_ours(hook)
+def _named(hook: object, name: str) -> bool:
+    """Whether ``hook`` is a function called ``name`` (or a wrapt wrapper of one), not a gate's."""
+    return getattr(hook, "__name__", None) == name and not _is_gate_hook(hook)
 
 
 @dataclass(frozen=True)
@@ -41,32 +37,33 @@ class CacheHooks:
     always_called: bool  # there are disable hooks, and every one runs even when the forward raises
 
     @property
-    def right(self) -> bool:
+    def upstream_fixed(self) -> bool:
         """Every enable hook has an always-called disable hook: bitsandbytes 0.50's pair."""
         return self.always_called and len(self.disables) == len(self.enables)
 
 
 def cache_hooks(module: torch.nn.Module) -> CacheHooks:
-    """The module's enable pre-hooks and disable forward hooks that are not ours."""
-    enables = [key for key, hook in module._forward_pre_hooks.items() if _named(hook, _ENABLE_NAMES)]
-    disables = [key for key, hook in module._forward_hooks.items() if _named(hook, _DISABLE_NAMES)]
+    """The module's enable pre-hooks and disable forward hooks that are not a gate's."""
+    enables = [key for key, hook in module._forward_pre_hooks.items() if _named(hook, words.ENABLE_HOOK)]
+    disables = [key for key, hook in module._forward_hooks.items() if _named(hook, words.DISABLE_HOOK)]
     always = module._forward_hooks_always_called
     always_called = bool(disables) and all(key in always for key in disables)
     return CacheHooks(enables=enables, disables=disables, always_called=always_called)
 
 
 class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
-    """``_forward_hooks_always_called``, pickled without the gate's entry where the old pair was plain,
-    so that a module pickled with the gate loads as the pair it had."""
+    """``_forward_hooks_always_called`` of a module whose pair was plain, pickled without the gate's
+    entry, so that a module pickled with the gate loads as the pair it had. It stands in for torch's
+    dictionary only while that one is empty, so no handle torch gave out refers to an entry of it."""
 
     __slots__ = ("plain",)
 
-    def __init__(self, items: Any = (), plain: frozenset[int] = frozenset()) -> None:
+    def __init__(self, items: Any = (), plain: int | None = None) -> None:
         super().__init__(items)
-        self.plain = plain
+        self.plain = plain  # the gate's key, whose disable hook was plain
 
     def __reduce__(self) -> tuple[Any, ...]:
-        kept = [(key, value) for key, value in self.items() if key not in self.plain]
+        kept = [(key, value) for key, value in self.items() if key != self.plain]
         return (collections.OrderedDict, (kept,))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
@@ -90,11 +87,9 @@ def _reference(function: object) -> str:
     return f"{getattr(function, '__module__', '')}:{getattr(function, '__qualname__', '')}"
 
 
-def _existing_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.LeaveHook] | None:
-    """The module's own gate's two hooks, if it has a gate."""
-    enter = next(
-        (hook for hook in module._forward_pre_hooks.values() if isinstance(hook, gate.EnterHook)), None
-    )
+def gate_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.LeaveHook] | None:
+    """The module's gate's two hooks, if it has a gate."""
+    enter = gate.enter_hook(module)
     if enter is None:
         return None
     for hook in module._forward_hooks.values():
@@ -104,42 +99,49 @@ def _existing_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.Leave
 
 
 def _new_hooks(enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
-    """A new gate's hooks, standing in for the enable function ``enable`` and its library's disable
-    function (in the same module)."""
+    """A new gate's hooks, standing in for the enable function ``enable`` and the disable function of
+    the same module."""
     enable_reference = _reference(enable)
     origin = enable_reference.split(":")[0]
-    disable_name = _DISABLE_OF.get(getattr(enable, "__name__", ""), vocabulary.BITSANDBYTES.disable_hook)
-    return gate.new_hooks(enable_reference, f"{origin}:{disable_name}")
+    return gate.new_hooks(enable_reference, f"{origin}:{words.DISABLE_HOOK}")
 
 
 def _put_enter_hook(module: torch.nn.Module, enables: list[int], enter: gate.EnterHook) -> None:
     """The gate's pre-hook where the first enable hook (or an earlier gate's pre-hook) was."""
     pre_hooks = module._forward_pre_hooks
-    ours = [key for key, hook in pre_hooks.items() if _is_ours(hook)]
-    _take_place(pre_hooks, ours + enables, enter, first=True)
-    for key in enables + ours:
+    gates = [key for key, hook in pre_hooks.items() if _is_gate_hook(hook)]
+    _take_place(pre_hooks, gates + enables, enter, first=True)
+    for key in enables + gates:
         module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _always_called(module: torch.nn.Module) -> dict[int, bool]:
+    """The module's always-called dictionary, made an :class:`_AlwaysCalled` while torch's is empty."""
+    always = module._forward_hooks_always_called
+    if not always and not isinstance(always, _AlwaysCalled):
+        always = _AlwaysCalled()
+        module._forward_hooks_always_called = always
+    return always
 
 
 def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.LeaveHook) -> None:
     """The gate's forward hook, always called, where the last disable hook (or an earlier gate's
     forward hook) was; registered anew where there was none."""
     post_hooks = module._forward_hooks
-    always = module._forward_hooks_always_called
-    if not isinstance(always, _AlwaysCalled):
-        always = _AlwaysCalled(always.items())
-        module._forward_hooks_always_called = always
-    plain = {key for key in disables if key not in always} | always.plain
-    ours = [key for key, hook in post_hooks.items() if _is_ours(hook)]
-    if disables or ours:
-        kept = _take_place(post_hooks, ours + disables, leave, first=False)
+    always = _always_called(module)
+    gates = [key for key, hook in post_hooks.items() if _is_gate_hook(hook)]
+    # pickled without the gate's entry where the pair it replaces (or an earlier gate's) was plain
+    replaces_plain = any(key not in always for key in disables) or getattr(always, "plain", None) is not None
+    if disables or gates:
+        kept = _take_place(post_hooks, gates + disables, leave, first=False)
     else:  # an enable hook alone: the gate still needs its forward hook
         kept = module.register_forward_hook(leave).id
-    for key in disables + ours:
+    for key in disables + gates:
         module._forward_hooks_with_kwargs.pop(key, None)
         always.pop(key, None)
     always[kept] = True
-    always.plain = frozenset(plain & {kept})  # pickled without the entry if the pair there was plain
+    if isinstance(always, _AlwaysCalled):
+        always.plain = kept if replaces_plain else None
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
@@ -152,9 +154,9 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
     found = cache_hooks(module)
     if not found.enables:
         return False
-    if found.right and not replace_always_called:
+    if found.upstream_fixed and not replace_always_called:
         return False
-    pair = _existing_hooks(module)
+    pair = gate_hooks(module)
     if pair is None:
         pair = _new_hooks(module._forward_pre_hooks[found.enables[0]])
     enter, leave = pair

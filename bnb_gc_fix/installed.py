@@ -87,8 +87,8 @@ def import_installed() -> None:
     the patched module of every installed look-alike library. Failures are remembered, never raised."""
     from importlib.util import find_spec
 
-    from bnb_gc_fix.decide import BNB_PARAMETRIZE, before_parametrize
-    from bnb_gc_fix.targets import BITSANDBYTES, TARGETS
+    from _bnb_gc_fix import BITSANDBYTES, LIBRARIES
+    from bnb_gc_fix.decide import before_parametrize
 
     torch, _ = try_import("torch")
     if torch is None:
@@ -96,14 +96,14 @@ def import_installed() -> None:
     bitsandbytes, _ = try_import("bitsandbytes")
     version = str(getattr(bitsandbytes, "__version__", "unknown"))  # unknown: try its parametrize
     if bitsandbytes is not None and not before_parametrize(version):
-        try_import(BNB_PARAMETRIZE)
-    for target in TARGETS:
-        if target is BITSANDBYTES:
+        try_import(BITSANDBYTES.module)
+    for library in LIBRARIES:
+        if library is BITSANDBYTES:
             continue
         try:
-            if find_spec(target.name) is None:
+            if find_spec(library.name) is None:
                 continue
         except (Exception, SystemExit) as error:
-            _failures[target.name] = failure(target.name, error)
+            _failures[library.name] = failure(library.name, error)
             continue
-        try_import(target.module)
+        try_import(library.module)

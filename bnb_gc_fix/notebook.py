@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import cache
 
 logger = logging.getLogger("bnb_gc_fix")
 
@@ -110,21 +110,29 @@ def _reset_below_zero(count: int) -> None:
 
 
 def _release_after_failed_cell(count: int, error: BaseException) -> None:
-    """Give back what the failed cell added and no running call owns; point out anything older."""
-    from bnb_gc_fix.release import release_left_behind  # imports torch, which holds something now
+    """Give back what the failed cell left behind; point out anything older, and say what stays."""
+    from bnb_gc_fix.release import left_text, release_left_behind  # imports torch, which holds something
 
-    cached = cache.cached_bytes()
-    released = release_left_behind(count - max(_registration.start, 0))
-    if not released:  # older than this cell, or owned by a running call: not ours to give back
+    found = release_left_behind(count - max(_registration.start, 0))
+    if not found.released and not found.left:  # older than this cell, or owned by a running call
         _note(count)
         return
     _registration.noted = None
-    _say(
-        f"released {released} of torch's parametrization cache holds (counter {count} -> "
-        f"{cache.counter()}, {cached} bytes cached), left switched on by this cell's "
-        f"{type(error).__name__}: {cache.CAUSE}.",
-        logging.WARNING,
-    )
+    cause = f"this cell's {type(error).__name__}"
+    if found.released:
+        message = (
+            f"released {found.released} of torch's parametrization cache holds (counter {count} -> "
+            f"{cache.counter()}, {found.cached_bytes} bytes cached), left switched on by {cause}: "
+            f"{cache.CAUSE}."
+        )
+    else:
+        message = (
+            f"torch's parametrization cache is still on after {cause} (counter {count}, "
+            f"{found.cached_bytes} bytes cached)."
+        )
+    if found.left:
+        message += f" {left_text(found.left)}."
+    _say(message, logging.WARNING)
 
 
 def _check_after_cell(result: Any) -> None:

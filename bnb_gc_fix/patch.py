@@ -1,26 +1,24 @@
-"""The patch: wrapt wrappers around a target library's functions (:mod:`bnb_gc_fix.targets`).
+"""The patch: wrapt wrappers around the functions of a library's module (``_bnb_gc_fix.LIBRARIES``).
 
 * The registering function runs in full; then the plain pair it added is swapped for the gate.
 * The enable function, met as the pre-hook of a module still holding a plain pair (a module loaded
   from a pickle, or quantized before the fix was active), turns that pair into the gate at its first
   forward, and the gate takes that forward's hold.
-* A clamped disable function, called directly, never drives the counter below zero.
+* The disable function, called directly, never drives the counter below zero.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import sys
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 import wrapt
 
-import _bnb_gc_fix_cache as cache
+import _bnb_gc_fix as words
+from _bnb_gc_fix import cache
 from bnb_gc_fix import gate, hooks
-from bnb_gc_fix.targets import Target
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,26 +27,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("bnb_gc_fix")
 
-#: Frames in these folders are ours or wrapt's: the enable hook's real caller is the first frame below.
-_OUR_FOLDERS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(wrapt.__file__)) + os.sep,
-)
-
 
 class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """Marks our wrappers, so applying twice wraps once and removing unwraps only ours."""
 
 
-def _hook_caller() -> FrameType | None:
-    """The frame that called the wrapped enable hook: the first one below ours and wrapt's."""
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OUR_FOLDERS):
-        frame = frame.f_back
-    return frame
-
-
-def _convert_at_forward(module: object, replace_always_called: bool) -> bool:
+def _gated_at_forward(module: object, replace_always_called: bool) -> bool:
     """Called as the pre-hook of ``module``: turn its plain pairs into a gate.
 
     Returns True when the wrapped enable function must not take a hold: the gate took this forward's
@@ -57,7 +41,11 @@ def _convert_at_forward(module: object, replace_always_called: bool) -> bool:
     pre-hook, earlier in the same snapshot of pre-hooks, took the hold), or from the snapshot of
     pre-hooks torch took before another pair of this module was converted in this forward (whose
     conversion took the hold). False when it should run as it is: not a module, or nothing to convert.
-    Order matters: whether the module was gated is read before ``install`` changes it.
+    Whether the module was gated is read before ``install`` changes it.
+
+    The conversion takes this forward's hold through the gate's pre-hook, which notes this function's
+    frame: it ends at once, so a self-call inside this one forward gives that hold back (one forward
+    that dequantizes more, never a leak).
     """
     if not isinstance(module, torch.nn.Module):
         return False
@@ -67,17 +55,11 @@ def _convert_at_forward(module: object, replace_always_called: bool) -> bool:
         return True
     if not changed:
         return False
-    enter = _enter_hook(module)
-    enter(module, (), _hook_caller())
+    enter = gate.enter_hook(module)
+    if enter is None:
+        raise LookupError(f"no gate on {type(module).__name__} after installing one")
+    enter(module, ())
     return True
-
-
-def _enter_hook(module: torch.nn.Module) -> gate.EnterHook:
-    """The gate's pre-hook on a module ``hooks.install`` has just gated."""
-    for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, gate.EnterHook):
-            return hook
-    raise LookupError(f"no gate on {type(module).__name__} after installing one")
 
 
 def _clamped_disable(
@@ -114,7 +96,7 @@ def _enable_wrapper(force: bool) -> _WrapperFunction:
         converted = False
         if args:
             try:
-                converted = _convert_at_forward(args[0], force)
+                converted = _gated_at_forward(args[0], force)
             except Exception:  # never break the user's forward: the plain hook runs as it is
                 logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
         if converted:
@@ -124,34 +106,33 @@ def _enable_wrapper(force: bool) -> _WrapperFunction:
     return enable
 
 
-def _wrappers(module: ModuleType, target: Target, force: bool) -> dict[str, _WrapperFunction]:
-    """The wrapper function for each of the target's functions, by name."""
-    wrappers: dict[str, _WrapperFunction] = {target.register: _register_wrapper(force)}
-    if hasattr(module, target.enable_hook):
-        wrappers[target.enable_hook] = _enable_wrapper(force)
-    if target.clamp:
-        wrappers[target.disable_hook] = _clamped_disable
-    return wrappers
+def _wrappers(library: words.Facts, force: bool) -> dict[str, _WrapperFunction]:
+    """The wrapper function for each of the library's functions, by name."""
+    return {
+        library.register: _register_wrapper(force),
+        words.ENABLE_HOOK: _enable_wrapper(force),
+        words.DISABLE_HOOK: _clamped_disable,
+    }
 
 
-def is_applied(module: ModuleType, target: Target) -> bool:
-    """Whether our wrappers are on the target's module right now."""
-    names = _wrappers(module, target, force=False)
+def is_applied(module: ModuleType, library: words.Facts) -> bool:
+    """Whether our wrappers are on the library's module right now."""
+    names = _wrappers(library, force=False)
     return all(isinstance(getattr(module, name, None), _Wrapper) for name in names)
 
 
-def apply(module: ModuleType, target: Target, replace_always_called: bool = False) -> None:
-    """Wrap the target's functions, once. ``replace_always_called`` (force): the gate also replaces
+def apply(module: ModuleType, library: words.Facts, replace_always_called: bool = False) -> None:
+    """Wrap the library's functions, once. ``replace_always_called`` (force): the gate also replaces
     pairs whose disable hook is already always-called."""
-    for name, wrapper in _wrappers(module, target, replace_always_called).items():
+    for name, wrapper in _wrappers(library, replace_always_called).items():
         current = getattr(module, name)
         if not isinstance(current, _Wrapper):  # applying twice wraps once
             setattr(module, name, _Wrapper(current, wrapper))
 
 
-def remove(module: ModuleType, target: Target) -> None:
+def remove(module: ModuleType, library: words.Facts) -> None:
     """Put the library's own functions back (only ours are unwrapped)."""
-    for name in _wrappers(module, target, force=False):
+    for name in _wrappers(library, force=False):
         current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
             setattr(module, name, current.__wrapped__)

@@ -1,41 +1,55 @@
-"""What the safety nets may give back: the holds a step or a cell left behind that nothing live owns.
+"""What the safety nets may give back: only what is provably theirs.
 
 The leak guard (:mod:`bnb_gc_fix.guard`, and the Trainer callback built on it) and the notebook's
-cell-end release (:mod:`bnb_gc_fix.notebook`) both end with :func:`release_left_behind`. It gives back
-this thread's gate holds whose calls have ended, then holds no gate accounts for (a plain pair that
-lost its "off"), and never another thread's gate holds: those may belong to calls still running.
+cell-end release (:mod:`bnb_gc_fix.notebook`) measure how far torch's counter rose during a step or a
+cell, then call :func:`release_left_behind`. It gives back this thread's gate holds whose calls have
+ended. A rise that no gate accounts for (another thread's ``P.cached()`` block, or a pair nobody
+patched) goes too only where no other Python thread runs, since another thread could own it and give
+it back itself (twice given back, the counter goes below zero, which torch reads as "on"); otherwise
+it is left, for the caller to report.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
+from dataclasses import dataclass
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import cache
 from bnb_gc_fix import gate
 
 
-@gate.eager_only
-def release_left_behind(added: int) -> int:
-    """Give back at most ``added`` holds (the counter's rise during a safety net's step or cell) that
-    nothing live owns; returns how many were given back."""
+@dataclass(frozen=True)
+class Release:
+    """What a safety net found after a step or a cell that left the counter higher than it found it."""
+
+    rise: int  # how far the counter rose, as far as it still holds
+    released: int  # holds given back: ended calls of this thread's gates, and what no one could own
+    left: int  # holds of the rise left in place: no gate accounts for them, and other threads run
+    cached_bytes: int  # what the cache held before anything was given back
+
+
+def release_left_behind(added: int) -> Release:
+    """Give back what of the counter's rise ``added`` is provably left behind (see the module)."""
     counter = cache.counter()
-    budget = min(added, counter)
-    if budget <= 0:
-        return 0
-    stack = list(gate.stack_from(sys._getframe()))
-    me = threading.get_ident()
-    everyone = gate.every_holds()
-    released = 0
-    for holds in everyone:
-        if holds.thread != me or released >= budget:
-            continue
-        stale = len(holds.calls) - gate.live_holds(holds, stack)
-        released += holds.forget(min(stale, budget - released))  # given back below, with the others
-    accounted = sum(len(holds.calls) for holds in everyone)
-    unaccounted = counter - released - accounted
-    if unaccounted > 0:
-        released += min(unaccounted, budget - released)
-    if released:
-        cache.give_back(released)
-    return released
+    rise = min(added, counter)
+    cached = cache.cached_bytes()
+    if rise <= 0:
+        return Release(rise=0, released=0, left=0, cached_bytes=cached)
+    ended = gate.give_back_ended(rise)
+    gates_hold = sum(len(thread_holds.holds) for thread_holds in gate.every_holds())
+    unaccounted = min(rise - ended, cache.counter() - gates_hold)
+    if unaccounted <= 0:
+        return Release(rise=rise, released=ended, left=0, cached_bytes=cached)
+    if threading.active_count() > 1:
+        return Release(rise=rise, released=ended, left=unaccounted, cached_bytes=cached)
+    cache.give_back(unaccounted)
+    return Release(rise=rise, released=ended + unaccounted, left=0, cached_bytes=cached)
+
+
+def left_text(left: int) -> str:
+    """What a report says of holds left in place, and what to do."""
+    return (
+        f"{left} holds that no call of this thread accounts for (a P.cached() block, or a pair of hooks "
+        "bnb-gc-fix did not replace) stay in place: other threads are running, and one of them may own "
+        "them; if they are not held on purpose, bnb_gc_fix.reset() releases them once those threads are done"
+    )

@@ -1,7 +1,7 @@
 """``bnb-gc-fix run -- CMD ...``: the fix switched on at interpreter start where ``.pth`` files are not
-processed (the package on a shared ``PYTHONPATH``, embedded interpreters), like ``ddtrace-run``: our
-``_sitecustomize`` goes first on ``PYTHONPATH``, which every torchrun rank and multiprocessing child
-inherits, and still loads the user's own ``sitecustomize``.
+processed (the package on a shared ``PYTHONPATH``, embedded interpreters), like ``ddtrace-run``: the
+folder of our ``sitecustomize`` (``_bnb_gc_fix/runner_path``) goes first on ``PYTHONPATH``, which every
+torchrun rank and multiprocessing child inherits; it still loads the user's own ``sitecustomize``.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-EXIT_USAGE = 2  # no command given (the same status as the command line's other usage errors)
+import _bnb_gc_fix
+
 EXIT_NOT_EXECUTABLE = 126  # the shell's status for a file that is not executable
 EXIT_NOT_FOUND = 127  # the shell's status for a command that is not found
 
-SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sitecustomize")
+SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(_bnb_gc_fix.__file__)), "runner_path")
 
 
 def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -28,11 +29,12 @@ def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run(command: Sequence[str]) -> int:
-    """Replace this process with ``command`` (POSIX), or run it and return its exit status."""
+def run(command: Sequence[str], usage: int) -> int:
+    """Replace this process with ``command`` (POSIX), or run it and return its exit status; ``usage``
+    is the exit status when no command is given."""
     if not command:
         print("bnb-gc-fix run: no command given; usage: bnb-gc-fix run -- CMD [ARGS ...]", file=sys.stderr)
-        return EXIT_USAGE
+        return usage
     env = environment()
     if shutil.which(command[0], path=env.get("PATH", os.defpath)) is None:
         if os.sep in command[0] and os.path.exists(command[0]):

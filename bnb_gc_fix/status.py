@@ -15,17 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import _bnb_gc_fix_boot as boot
-import _bnb_gc_fix_cache as cache
-import _bnb_gc_fix_vocabulary as vocabulary
+import _bnb_gc_fix as words
+from _bnb_gc_fix import BITSANDBYTES, cache, startup
 from bnb_gc_fix import activation, decide, installed, notebook
 from bnb_gc_fix.activation import Library, State
-from bnb_gc_fix.targets import BITSANDBYTES
 
 
 @dataclass(frozen=True)
 class LibraryStatus:
-    """Everything about one library this package patches (see :mod:`bnb_gc_fix.targets`)."""
+    """Everything about one library this package patches (``_bnb_gc_fix.LIBRARIES``)."""
 
     name: str  # the library: "bitsandbytes", "axolotl"
     module: str  # the module whose functions are wrapped: "bitsandbytes.nn.parametrize"
@@ -60,7 +58,6 @@ class Status:
     via: str | None  # what turned the fix on in this process (a VIA_* word); None: nothing patched or armed
     startup_hook: str  # "installed", "switched off" (by BNB_GC_FIX) or "not installed"
     cell_end_release: bool  # IPython/Jupyter: a cell ending in an exception releases the cache it held
-    gil: bool = True  # False on a free-threaded Python without the GIL (untested; reason says so)
     import_errors: Mapping[str, str] = field(default_factory=dict)  # module -> what its import raised
     torch_installed: bool = True  # torch is imported, or an import of it would find it
 
@@ -77,12 +74,10 @@ class Status:
 
     @property
     def deciding(self) -> LibraryStatus:
-        """The library :attr:`state` comes from: one unpatched since, else one patched, else bitsandbytes."""
-        for wanted in (State.UNPATCHED.value, State.PATCHED.value):
-            for library in self.libraries:
-                if library.state == wanted:
-                    return library
-        return self.bitsandbytes
+        """The library :attr:`state` comes from: the worst of those imported in this process (one left
+        unprotected outranks one patched), else bitsandbytes."""
+        imported = [library for library in self.libraries if library.version is not None]
+        return min(imported or [self.bitsandbytes], key=lambda library: _WORST_FIRST.index(library.state))
 
     @property
     def state(self) -> str:
@@ -99,9 +94,7 @@ class Status:
 
     @property
     def reason(self) -> str:
-        if self.gil:
-            return self.deciding.reason
-        return f"{self.deciding.reason}. {UNTESTED_FREE_THREADING}"
+        return self.deciding.reason
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, as ``bnb-gc-fix status --json`` prints it (JSON-ready)."""
@@ -118,10 +111,8 @@ class Status:
 
     def lines(self) -> list[str]:
         """The text of ``bnb-gc-fix status`` (and of ``print(status())``), a fact a line."""
-        lines = [f"state:            {self._state_text()}"]
-        if not self.gil:
-            lines.append(f"  {UNTESTED_FREE_THREADING}")
-        lines += [
+        lines = [
+            f"state:            {self._state_text()}",
             f"cache counter:    {_number(self.counter)}",
             f"cache bytes:      {_number(self.cache_bytes)}",
             f"BNB_GC_FIX:       {self._switch_text()}",
@@ -177,18 +168,27 @@ class Status:
         return "\n".join(self.lines())
 
 
-UNTESTED_FREE_THREADING = (
-    "Caution: this Python runs without the GIL (a free-threaded build); the fix then gates with "
-    "a lock, a path never tested on such a build"
+#: Where a library's state ranks when several are imported: the first is the worst.
+_WORST_FIRST = tuple(
+    state.value
+    for state in (
+        State.UNPATCHED,
+        State.SKIPPED,
+        State.OFF,
+        State.PATCHED,
+        State.ARMED,
+        State.NOT_NEEDED,
+        State.NOT_INSTALLED,
+    )
 )
 
 _NO_RELEASE = "not installed (IPython/Jupyter only)"
 _AFFECTED_TEXT = {True: "yes", False: "no", None: "not known"}
 _VIA_TEXT = {
-    vocabulary.VIA_STARTUP_HOOK: "the start-up hook",
-    vocabulary.VIA_RUNNER: "bnb-gc-fix run",
-    vocabulary.VIA_IMPORT: "import bnb_gc_fix",
-    vocabulary.VIA_COMMAND: "this bnb-gc-fix command",
+    words.VIA_STARTUP_HOOK: "the start-up hook",
+    words.VIA_RUNNER: "bnb-gc-fix run",
+    words.VIA_IMPORT: "import bnb_gc_fix",
+    words.VIA_COMMAND: "this bnb-gc-fix command",
 }
 
 
@@ -210,21 +210,21 @@ def _is_installed(name: str) -> bool:
 
 def _library_status(library: Library) -> LibraryStatus:
     """One library's record: the state as activation says it stands now, the verdict it recorded."""
-    target = library.target
-    version = target.version()
+    facts = library.facts
+    version = decide.library_version(facts)
     state, reason = library.now()
     verdict = library.verdict()
     if verdict is None:  # never judged: what its version says, if it is imported
-        affected = decide.version_in_range(target, version)
+        affected = decide.version_in_range(facts, version)
         probe = None
     else:
         affected = verdict.affected
         probe = verdict.probe
     return LibraryStatus(
-        name=target.name,
-        module=target.module,
+        name=facts.name,
+        module=facts.module,
         version=version,
-        installed=_is_installed(target.name),
+        installed=_is_installed(facts.name),
         state=state.value,
         affected=affected,
         probe=probe,
@@ -234,8 +234,8 @@ def _library_status(library: Library) -> LibraryStatus:
 
 def _listed(library: Library) -> bool:
     """bitsandbytes always; another library once decided on, or imported."""
-    target = library.target
-    return target is BITSANDBYTES or library.decided or target.name in sys.modules
+    facts = library.facts
+    return facts is BITSANDBYTES or library.decided or facts.name in sys.modules
 
 
 def _cache_figures() -> tuple[int | None, int | None]:
@@ -249,9 +249,9 @@ def _cache_figures() -> tuple[int | None, int | None]:
 
 def _startup_hook() -> str:
     """Whether a start-up path (the start-up hook or the runner) is in place in this process."""
-    if boot.installed_watcher() is not None or boot.trigger is not None:
+    if startup.installed_watcher() is not None or startup.activated_by is not None:
         return "installed"
-    if boot.started_by is not None:
+    if startup.started_by is not None:
         return "switched off"
     return "not installed"
 
@@ -269,11 +269,10 @@ def status() -> Status:
         cache_bytes=cache_bytes,
         mode=process.mode,
         switch=process.switch,
-        switch_now=os.environ.get(vocabulary.VARIABLE),
+        switch_now=os.environ.get(words.VARIABLE),
         via=process.via if activation.on() else None,
         startup_hook=_startup_hook(),
         cell_end_release=notebook.installed(),
-        gil=cache.gil_enabled(),
         import_errors=installed.failures(),
         torch_installed=_is_installed("torch"),
     )

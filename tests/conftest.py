@@ -32,9 +32,9 @@ def installed(distribution: str) -> str | None:
 
 
 def _affected_range() -> tuple[str, str]:
-    """bitsandbytes' affected range as the package under test states it (``bnb_gc_fix.targets``, its one
+    """bitsandbytes' affected range as the package under test states it (``_bnb_gc_fix``, its one
     place), read in a fresh interpreter: importing the package here would activate the fix in pytest."""
-    code = "from bnb_gc_fix.targets import BITSANDBYTES as B\nprint(B.first_affected, B.first_fixed)\n"
+    code = "from _bnb_gc_fix import BITSANDBYTES as B\nprint(B.first_affected, B.first_fixed)\n"
     against = os.environ.get("BNB_GC_FIX_TEST_AGAINST")
     env = {k: v for k, v in os.environ.items() if k not in ("BNB_GC_FIX", "PYTHONPATH")}
     env["BNB_GC_FIX"] = "0"  # nothing to activate: only the range is read
@@ -50,7 +50,7 @@ def _affected_range() -> tuple[str, str]:
     )
     words = completed.stdout.split()
     if completed.returncode != 0 or len(words) != 2:
-        raise RuntimeError(f"cannot read the affected range from bnb_gc_fix.targets:\n{completed.stderr}")
+        raise RuntimeError(f"cannot read the affected range from _bnb_gc_fix:\n{completed.stderr}")
     return words[0], words[1]
 
 
@@ -332,6 +332,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def startup_hook_installed() -> None:
     """The suite tests the real start-up hook: the package must be installed (pip install -e .)."""
-    result = run_code("import sys; print('_bnb_gc_fix_boot' in sys.modules)")
+    result = run_code("import sys; print('_bnb_gc_fix.startup' in sys.modules)")
     if result.stdout.strip() != "True":
         pytest.fail("bnb_gc_fix.pth was not processed at start-up: install the package (pip install -e .)")

@@ -99,7 +99,7 @@ def test_interpreter_start_imports_nothing_costly_and_prints_nothing() -> None:
     result = run_code("import sys; print(sorted(sys.modules))")
     assert result.stderr == ""
     modules = set(eval(result.stdout))
-    assert "_bnb_gc_fix_boot" in modules  # the hook ran...
+    assert "_bnb_gc_fix.startup" in modules  # the hook ran...
     assert not modules & set(HEAVY), modules & set(HEAVY)  # ...and imported nothing costly
 
 
@@ -108,24 +108,6 @@ def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
         "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))", switch="off"
     )
     assert result.stdout.strip() == "False"
-
-
-WATCHED = """
-import json
-import _bnb_gc_fix_vocabulary as vocabulary
-from bnb_gc_fix.targets import TARGETS
-print(json.dumps({
-    "watched": sorted(vocabulary.WATCHED),
-    "targets": sorted({"bitsandbytes", *(target.module for target in TARGETS)}),
-}))
-"""
-
-
-def test_the_start_up_hook_watches_bitsandbytes_and_every_patched_module() -> None:
-    # The start-up hook cannot import the package: it reads the modules from _bnb_gc_fix_vocabulary, as
-    # the package's targets do.
-    watched = run_code(WATCHED, switch="0").last_json
-    assert watched["watched"] == watched["targets"]
 
 
 def test_processes_without_bitsandbytes_never_import_the_package() -> None:
@@ -142,21 +124,25 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
     site = made.site_packages
     shutil.copy(ROOT / "bnb_gc_fix.pth", site / "bnb_gc_fix.pth")
     if broken != "bootstrap-removed":
-        shutil.copy(ROOT / "_bnb_gc_fix_boot.py", site / "_bnb_gc_fix_boot.py")
+        shutil.copytree(ROOT / "_bnb_gc_fix", site / "_bnb_gc_fix")
     if broken == "bootstrap-corrupt":
-        (site / "_bnb_gc_fix_boot.py").write_text("raise RuntimeError('half-written file')\n")
-    # A stand-in for bitsandbytes, so the finder fires and tries to import the missing package.
-    (site / "bitsandbytes").mkdir()
-    (site / "bitsandbytes" / "__init__.py").write_text("")
+        (site / "_bnb_gc_fix" / "startup.py").write_text("raise RuntimeError('half-written file')\n")
+    # A stand-in for bitsandbytes' watched module, so the watcher tries to import the missing package.
+    (site / "bitsandbytes" / "nn").mkdir(parents=True)
+    for name in ("__init__.py", "nn/__init__.py", "nn/parametrize.py"):
+        (site / "bitsandbytes" / name).write_text("")
     result = run_code(
-        "import bitsandbytes; print('ok')", check=False, executable=str(made.python), cwd=tmp_path
+        "import bitsandbytes.nn.parametrize; print('ok')",
+        check=False,
+        executable=str(made.python),
+        cwd=tmp_path,
     )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ok", "")
 
 
 def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
     made = _make_venv(tmp_path / "venv", with_dependencies=False)
-    (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix_boot\n")
+    (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix.startup\n")
     result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path)
     assert "Error processing line" in result.stderr
 
@@ -188,7 +174,7 @@ def test_runner_console_script_loads_the_users_sitecustomize(tmp_path: Path, bar
     env = environment(PYTHONPATH=os.pathsep.join([str(user_dir), str(ROOT)]))
     probe = (
         "import builtins, sys, json; print(json.dumps([getattr(builtins, 'USER_SITECUSTOMIZE', None), "
-        "sys.modules['sitecustomize'].__file__, '_bnb_gc_fix_boot' in sys.modules, sys.path[0]]))"
+        "sys.modules['sitecustomize'].__file__, '_bnb_gc_fix.startup' in sys.modules, sys.path[0]]))"
     )
     console = Path(sys.executable).parent / "bnb-gc-fix"
     completed = subprocess.run(
@@ -257,7 +243,7 @@ SPELLINGS = {
 def test_every_spelling_of_the_switch_reads_as_its_mode() -> None:
     # The one function that reads a value (pure: no state). Each mode's behaviour in a fresh
     # interpreter is tested below, with one of its spellings.
-    import _bnb_gc_fix_vocabulary as vocabulary
+    import _bnb_gc_fix as vocabulary
 
     read = {value: vocabulary.parse(value) for value in SPELLINGS}
     assert read == {value: (mode, True) for value, mode in SPELLINGS.items()}

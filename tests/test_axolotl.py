@@ -95,10 +95,9 @@ def test_start_up_hook_fixes_axolotl_with_no_code_change(axolotl: str, bitsandby
     run = _scenario(axolotl, bitsandbytes)
     assert _counters(run) == [0, 0, 0, 0]
     assert [step["cache_bytes"] for step in run.steps] == [0, 0, 0, 0]
-    # bitsandbytes was first imported by moe_quant itself: the start-up hook fired while moe_quant
-    # was half-initialised, and the decision waited for its code to finish.
+    # bitsandbytes was first imported by moe_quant itself; the start-up hook turned the fix on once
+    # moe_quant's code had run to its end.
     assert run.summary["bitsandbytes_before_moe_quant"] is False
-    assert "LOG bnb_gc_fix: axolotl.monkeypatch.moe_quant is being imported" in run.stdout
     assert run.summary["via"] == "start-up hook"
     assert run.summary["state"] == "patched"  # also on bitsandbytes 0.50.2, where only axolotl is
     assert _library(run, "axolotl") == {
@@ -140,7 +139,6 @@ def test_explicit_import_without_start_up_hook(bitsandbytes: str) -> None:
 def test_bitsandbytes_imported_first_patches_on_import() -> None:
     run = _scenario("0.19.0", "installed", "--bitsandbytes-first")
     assert run.summary["bitsandbytes_before_moe_quant"] is True
-    assert "is being imported" not in run.stdout  # the post-import hook, not the in-flight watch
     assert _counters(run) == [0, 0, 0, 0]
     assert _library(run, "axolotl")["patched"] is True
 
@@ -197,6 +195,56 @@ def test_status_reports_each_library_and_deactivate_undoes_the_axolotl_patch() -
     assert facts["wrapped"] and facts["restored"]
     assert "axolotl" in facts["before"]
     assert facts["after"]["axolotl"] == [False, "deactivated by deactivate()"]
+
+
+# Scenario 3 of issue 31: another tool wraps one of bitsandbytes' functions. Before the fix turns on (an
+# explicit `import bnb_gc_fix`, no start-up hook), a wrapper without the function's name hides
+# bitsandbytes' pair from the fix: bitsandbytes is skipped and its modules leak, while axolotl's copy is
+# patched. After the fix turned on (the start-up hook), a wrapper takes the place of the fix's own, and
+# bitsandbytes reads unpatched (whether or not the wrapper still calls the fix's). Either way status()
+# must not say "patched". A (*args, **kwargs) wrapper of the register function, seen before the fix
+# turns on, hides nothing: bitsandbytes is patched too.
+WRAPPED_BY_ANOTHER_TOOL = """
+from bitsandbytes.nn import parametrize
+if sys.argv[1] == "unnamed-enable-hook":
+    enable = parametrize._enable_parametrization_cache
+    parametrize._enable_parametrization_cache = lambda module, inputs: enable(module, inputs)
+else:
+    register = parametrize._register_parametrization_hooks
+    parametrize._register_parametrization_hooks = lambda *args, **kwargs: register(*args, **kwargs)
+from axolotl.monkeypatch import moe_quant  # noqa: F401
+import quantized
+import bnb_gc_fix
+four_bit = quantized.checkpointed_counters(quantized.make())
+quantized.reset()
+status = bnb_gc_fix.status()
+print(json.dumps({
+    "state": status.state, "active": status.active, "deciding": status.deciding.name,
+    "libraries": {lib.name: lib.state for lib in status.libraries}, "four_bit": four_bit,
+}))
+"""
+
+WRAPPED = {
+    # (what is wrapped, whether the start-up hook runs): bitsandbytes' state, its 4-bit module leaks
+    ("unnamed-enable-hook", False): ("skipped", True),
+    ("args-kwargs-register", False): ("patched", False),
+    ("unnamed-enable-hook", True): ("unpatched", True),
+    ("args-kwargs-register", True): ("unpatched", False),  # the wrapper calls the fix's, which gates
+}
+
+
+@pytest.mark.parametrize(("wrapped", "startup_hook"), list(WRAPPED))
+def test_status_is_the_worst_of_the_libraries_imported(wrapped: str, startup_hook: bool) -> None:
+    env = environment(None, PYTHONPATH=_pythonpath("0.19.0", "installed"))
+    prelude: Prelude = "scenarios" if startup_hook else "scenarios-without-startup-hook"
+    facts = run_code(WRAPPED_BY_ANOTHER_TOOL, wrapped, prelude=prelude, env=env).last_json
+    state, leaks = WRAPPED[(wrapped, startup_hook)]
+    assert facts["libraries"] == {"bitsandbytes": state, "axolotl": "patched"}
+    assert (facts["four_bit"][-1] > 0) is leaks
+    if state == "patched":
+        assert facts["four_bit"] == [0, 0, 0] and (facts["state"], facts["active"]) == ("patched", True)
+    else:  # what is not patched decides, over axolotl's patch
+        assert (facts["state"], facts["active"], facts["deciding"]) == (state, False, "bitsandbytes")
 
 
 def test_cli_status_lists_axolotl() -> None:

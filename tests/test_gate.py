@@ -400,7 +400,7 @@ print(json.dumps(dict(active=status.active, reason=status.reason, warnings=ours,
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
-        ("other-signature", "does not take the 2 positional arguments"),
+        ("other-signature", "registering hooks on a probe module raised TypeError"),
         ("missing-function", "has no _disable_parametrization_cache()"),
         ("registers-nothing", "got 0 enable and 0 disable cache hooks"),
     ],

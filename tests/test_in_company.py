@@ -177,6 +177,39 @@ def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where
         assert [str(hook).split(".")[0] for hook in hooks] == ["bnb_gc_fix"]  # one pre-hook: the gate's
 
 
+# Scenario 4 of issue 31: a forward hook registered with always_call=True removes its own entry of
+# torch's always-called dictionary, whether it was registered before the module was quantized or after.
+HANDLES = """
+import torch
+import quantized
+torch.manual_seed(0)
+module = quantized.Quantized(params=2)
+before = module.register_forward_hook(lambda m, a, o: None, always_call=True)
+quantized.quantize(module)
+after = module.register_forward_hook(lambda m, a, o: None, always_call=True)
+plain = quantized.make(params=1)  # nothing always-called of its own before it was quantized
+late = plain.register_forward_hook(lambda m, a, o: None, always_call=True)
+for handle in (before, after, late):
+    handle.remove()
+always = {module: module._forward_hooks_always_called, plain: plain._forward_hooks_always_called}
+owners = {before: module, after: module, late: plain}
+print(json.dumps({
+    "left": [handle.id for handle, owner in owners.items() if handle.id in always[owner]],
+    "entries": [len(entries) for entries in always.values()],
+    "counters": quantized.checkpointed_counters(module) + quantized.checkpointed_counters(plain),
+}))
+"""
+
+
+def test_a_handle_removes_its_always_called_entry_before_and_after_quantization() -> None:
+    fixed = run_code(HANDLES, prelude="scenarios", switch=FIX).last_json
+    control = run_code(HANDLES, prelude="scenarios", switch="0").last_json
+    assert fixed["left"] == control["left"] == []
+    assert control["entries"] == ([2, 1] if not AFFECTED else [0, 0])  # bitsandbytes' own, if any
+    assert fixed["entries"] == [1, 1]  # the gate's forward hook, one a module
+    assert fixed["counters"] == [0] * 6
+
+
 COPY = """
 import copy, torch
 import quantized, bnb_gc_fix

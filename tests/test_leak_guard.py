@@ -68,8 +68,51 @@ print(json.dumps([quantized.counter(), ours]))
     assert counter == 0
     # One warning, saying how far the counter rose and what was released (the cause sentence is fixed).
     (warning,) = warnings
-    assert "went from 0 to 1 during the step and 1 of those holds belonged to no running call (" in warning
-    assert "bytes cached); released them. Cause: " in warning
+    assert "went from 0 to 1 during the step (16384 bytes cached); released 1 holds left by calls" in warning
+    assert "that ended. Cause: " in warning
+
+
+# --- every leaking step is reported, under Python's default warning filters -------------------------
+
+# Three steps that each leave a hold (a Ctrl-C in a forward of a plain pair: the fix is off), each
+# guarded by sys.argv[1]; the control emits the same warning three times with warnings.warn, which the
+# default filters show once. Nothing here changes the filters: stderr shows what a user's log shows.
+THREE_LEAKING_STEPS = """
+import warnings
+from types import SimpleNamespace
+import torch, bnb_gc_fix, quantized
+from bnb_gc_fix.integrations.transformers import LeakGuardCallback
+bnb_gc_fix.deactivate()
+module = quantized.make(params=1)
+x = torch.randn(4, 64)
+callback = LeakGuardCallback()
+for step in range(1, 4):
+    if sys.argv[1] == "guard":
+        with bnb_gc_fix.guard():
+            quantized.interrupted_forward(module, x)
+    elif sys.argv[1] == "callback":
+        state = SimpleNamespace(global_step=step)
+        callback.on_step_begin(None, state, None)
+        quantized.interrupted_forward(module, x)
+        callback.on_step_end(None, state, None)
+    else:  # the control: the same report, as warnings.warn gives it
+        quantized.interrupted_forward(module, x)
+        bnb_gc_fix.reset()
+        warnings.warn("bnb_gc_fix.guard: released 1 holds", bnb_gc_fix.CacheLeakWarning)
+print(json.dumps(quantized.counter()))
+"""
+
+
+@pytest.mark.parametrize("net", ["guard", "callback"])
+def test_every_leaking_step_is_reported_under_the_default_filters(net: str) -> None:
+    control = run_code(THREE_LEAKING_STEPS, "control", prelude="scenarios")
+    assert control.stderr.count("CacheLeakWarning: ") == 1  # three leaks, one line
+    fixed = run_code(THREE_LEAKING_STEPS, net, prelude="scenarios")
+    reports = [line for line in fixed.stderr.splitlines() if "CacheLeakWarning: " in line]
+    assert len(reports) == 3 and fixed.last_json == 0, fixed.stderr
+    assert all("released 1 holds left by calls that ended" in line for line in reports)
+    if net == "callback":
+        assert [f"during step {step} (" in line for step, line in enumerate(reports, 1)] == [True] * 3
 
 
 # --- the Hugging Face Trainer --------------------------------------------------------------------

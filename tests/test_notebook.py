@@ -7,13 +7,18 @@ environment; each runs the whole story once (module-scoped), and the tests read 
    Python loop after the dequantized weight is cached); ``interrupt_kernel()`` lands ~1 s into it;
 2. the next cell measures the counter and the cache before any forward; then a forward of A; then
    a forward of another module B;
-3. a cell that switches the cache on (``P.cached()`` held by hand) and raises an ordinary exception;
-4. (0.49.2, package on) a cell that leaves the cache on without an exception; the released hold of
-   step 3 given back a second time; then ``deactivate()``;
+3. a cell that switches the cache on (``P.cached()`` held by hand) and raises an ordinary exception:
+   no call of the package's hooks took that hold, and a kernel always runs other threads (ipykernel's),
+   one of which could own it, so it stays, and the cell's output says so;
+4. (0.49.2, package on) a cell that leaves the cache on without an exception; a hold given back a
+   second time (``reset()`` inside a ``P.cached()`` block); then ``deactivate()``;
 5. a failing cell again, after ``deactivate()`` (0.49.2), ``activate()`` again (0.50.2), or an explicit
    ``import bnb_gc_fix`` and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
 
 The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
+On bitsandbytes 0.50.2 in auto mode the package steps aside: the hold a Ctrl-C leaves in upstream's
+pair is no call of the package's hooks either, so it is pointed out, not released (``force`` puts
+the package's hooks there, and the cell end releases it).
 """
 
 from __future__ import annotations
@@ -177,6 +182,13 @@ B(x)
 raise ValueError("an ordinary error in the cell")
 """
 
+GIVEN_BACK_TWICE = """
+twice = P.cached()
+twice.__enter__()
+bnb_gc_fix.reset()  # the hold released by hand inside the block...
+twice.__exit__(None, None, None)  # ...and given back again as the block ends: -1, which torch reads as on
+"""
+
 HELD_ON_PURPOSE = """
 held = P.cached()
 held.__enter__()  # held across cells on purpose: no exception
@@ -219,6 +231,7 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
         kernel.run("import bnb_gc_fix; bnb_gc_fix.reset()")  # the controls start the next part from 0
         error_cell = kernel.run(STUCK_AFTER_ERROR)
         after_error = kernel.run("state()").state()
+        kernel.run("holds.pop().__exit__(None, None, None); bnb_gc_fix.reset()")  # the hand-taken hold ends
         story = Story(info, interrupted, next_cell, after_a, after_b, error_cell, after_error)
         if held:
             story.held = kernel.run(HELD_ON_PURPOSE)
@@ -229,8 +242,7 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
                 ).stdout
             )
             kernel.run("held.__exit__(None, None, None)")
-            # The released hold of the error cell, collected now, gives its hold back a second time.
-            story.twice = kernel.run("import gc; holds.clear(); gc.collect()")
+            story.twice = kernel.run(GIVEN_BACK_TWICE)
             story.after_twice = kernel.run("state()").state()
             kernel.run("bnb_gc_fix.deactivate()")
         else:
@@ -241,8 +253,8 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
         story.late_error_cell = kernel.run(STUCK_AFTER_ERROR)
         story.after_late_error = kernel.run("state()").state()
         if held:  # the same double give-back without the release installed: the counter stays negative
-            kernel.run("bnb_gc_fix.reset()")
-            story.after_twice_control = kernel.run("import gc; holds.clear(); gc.collect(); state()").state()
+            kernel.run("holds.pop().__exit__(None, None, None); bnb_gc_fix.reset()")
+            story.after_twice_control = kernel.run(GIVEN_BACK_TWICE + "state()").state()
         return story
     finally:
         kernel.shutdown()
@@ -257,6 +269,8 @@ ROWS = {
 }
 CONTROLS = [row for row, (_, switch) in ROWS.items() if switch == "0"]
 FIXED = [row for row in ROWS if row not in CONTROLS]
+# Where the package's hooks sit on the modules (bitsandbytes 0.49.2, or force): a Ctrl-C's holds are theirs.
+GATED = [row for row in FIXED if row != "0.50.2 auto"]
 
 _stories: dict[str, Story] = {}
 
@@ -295,7 +309,7 @@ def _landed_in_forward(cell: Cell) -> None:
     assert any("forward" in frame for frame in cell.traceback), "the interrupt did not land inside forward"
 
 
-@pytest.mark.parametrize("story", FIXED, indirect=True)
+@pytest.mark.parametrize("story", GATED, indirect=True)
 def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     _landed_in_forward(story.interrupted)
     assert story.info["cell_end_release"] is True
@@ -306,12 +320,23 @@ def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     assert "(counter 1 -> 0, 16384 bytes cached), left switched on by this cell's KeyboardInterrupt" in line
 
 
+@pytest.mark.parametrize("story", ["0.50.2 auto"], indirect=True)
+def test_interrupted_cell_on_upstreams_pair_is_pointed_out(story: Story) -> None:
+    _landed_in_forward(story.interrupted)
+    assert story.info["cell_end_release"] is True
+    assert story.next_cell == [1, 16384]  # upstream's pair holds it: no call of the package's hooks did
+    (line,) = story.interrupted.ours()
+    assert "still on after this cell's KeyboardInterrupt (counter 1, 16384 bytes cached)" in line
+    assert "1 holds that no call of this thread accounts for" in line and "bnb_gc_fix.reset()" in line
+
+
 @pytest.mark.parametrize("story", FIXED, indirect=True)
-def test_ordinary_exception_is_released_too(story: Story) -> None:
+def test_a_hold_taken_by_hand_in_a_failing_cell_stays_and_is_pointed_out(story: Story) -> None:
     assert story.error_cell.error == "ValueError"
-    assert story.after_error == [0, 0]
+    assert story.after_error == [1, 16384]  # the kernel's other threads could own it: never released
     (line,) = story.error_cell.ours()
-    assert "(counter 1 -> 0, 16384 bytes cached), left switched on by this cell's ValueError" in line
+    assert "still on after this cell's ValueError (counter 1, 16384 bytes cached)" in line
+    assert "stay in place: other threads are running" in line
 
 
 @pytest.mark.parametrize("story", CONTROLS, indirect=True)
@@ -373,5 +398,5 @@ def test_a_hold_given_back_twice_is_put_back_to_zero(story: Story) -> None:
 @pytest.mark.parametrize("story", ["0.50.2 auto", "0.50.2 force"], indirect=True)
 def test_activate_again_keeps_one_release(story: Story) -> None:
     assert story.release_after is True
-    assert story.after_late_error == [0, 0]
+    assert story.after_late_error == [1, 16384]  # a hold taken by hand: pointed out, not released
     assert story.late_error_cell is not None and len(story.late_error_cell.ours()) == 1  # registered once

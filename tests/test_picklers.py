@@ -42,7 +42,7 @@ NOT_INSTALLED = """
 import sys
 class NotInstalled:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("bnb_gc_fix", "_bnb_gc_fix_boot"):
+        if name.split(".")[0] in ("bnb_gc_fix", "_bnb_gc_fix"):
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, NotInstalled())

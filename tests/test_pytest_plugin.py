@@ -198,10 +198,11 @@ def _both_files(
 
 
 @pytest.mark.downloads
-def test_flagged_without_the_fix(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
+@pytest.mark.parametrize("switch", ["0", None], ids=["BNB_GC_FIX=0", "fix-installed-and-on"])
+def test_flagged_whether_or_not_the_fix_is_on(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path, switch: str | None
 ) -> None:
-    run = _both_files(pytester, monkeypatch, axolotl, switch="0")
+    run = _both_files(pytester, monkeypatch, axolotl, switch=switch)
     output = run.stdout.str()
     assert run.ret == 0, output + run.stderr.str()  # warn mode: every test still passes...
     leaks = _leaks(run)
@@ -222,17 +223,49 @@ def test_flagged_without_the_fix(
     assert "parametrize-cache-check: warn" in output  # the header says the check is on
 
 
-@pytest.mark.downloads
-def test_clean_with_the_fix(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, axolotl: Path
+# --- the check switches the fix off itself (the package installed and on, BNB_GC_FIX unset) -----------
+
+ONE_LEAKING_ONE_INNOCENT = """
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import quantized
+
+
+def test_leaking():
+    head = torch.nn.Linear(64, 64)
+    tail = quantized.make(params=2)
+    y = checkpoint(lambda v: tail(head(v).relu()), torch.randn(8, 64), use_reentrant=False)
+    y.pow(2).mean().backward()
+
+
+def test_innocent():
+    quantized.make()(torch.randn(2, 64))
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_the_check_switches_the_fix_off_and_reports_the_leaking_test_by_name(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
 ) -> None:
-    run = _both_files(pytester, monkeypatch, axolotl, switch=None)
-    output = run.stdout.str()
-    assert run.ret == 0, output + run.stderr.str()
-    assert _leaks(run) == {}, output
-    assert _off_zero(pytester) == set()
-    assert "no test or fixture left torch's parametrization cache switched on" in output
-    assert "ParametrizeCacheLeakWarning" not in output
+    pytester.makepyfile(test_suite=ONE_LEAKING_ONE_INNOCENT)
+    warn = _witnessed(pytester, monkeypatch, *workers, "--parametrize-cache-check", switch=None)
+    assert warn.ret == 0, warn.stdout.str() + warn.stderr.str()
+    assert set(_leaks(warn)) == {"test_leaking"}  # the innocent test is not reported
+    assert "its fix is switched off for this run" in warn.stdout.str()
+    fail = _witnessed(pytester, monkeypatch, *workers, "--parametrize-cache-check-mode=fail", switch=None)
+    assert fail.ret == 1
+    assert _outcomes(fail, "ERROR") == {"test_leaking"}
+    assert _outcomes(fail, "PASSED") == {"test_leaking", "test_innocent"}  # the calls passed
+    # The control: the same suite with the fix switched off by hand reports the same test, and the
+    # same suite without the check leaves the fix on (the leaking test does not leak) and says nothing.
+    by_hand = _witnessed(pytester, monkeypatch, *workers, "--parametrize-cache-check", switch="0")
+    assert set(_leaks(by_hand)) == {"test_leaking"}
+    (pytester.path / "oracle.jsonl").unlink()
+    unchecked = _witnessed(pytester, monkeypatch, *workers, switch=None)
+    assert unchecked.ret == 0 and _off_zero(pytester) == set()  # the witness: no test left it on
+    assert "parametrize-cache-check" not in unchecked.stdout.str()
+    assert "parametrize cache check" not in unchecked.stdout.str()
 
 
 def test_control_check_off_by_default_and_the_leak_poisons_later_tests(
@@ -342,7 +375,7 @@ def test_the_switch_stands_before_paths_and_the_mode_is_an_option_of_its_own(
     warn.assert_outcomes(passed=2, warnings=1)
     warn.stdout.fnmatch_lines(
         [
-            "parametrize-cache-check: warn (bnb-gc-fix)",
+            "parametrize-cache-check: warn (bnb-gc-fix; its fix is switched off for this run, *",
             "LEAK suite/test_bump.py::test_leaks: P._cache_enabled = 1, *",
         ]
     )
@@ -360,7 +393,7 @@ def test_the_switch_stands_before_paths_and_the_mode_is_an_option_of_its_own(
         fail = _run(unfixed, *args)
         fail.assert_outcomes(passed=2, errors=1)
         fail.stdout.fnmatch_lines(
-            ["parametrize-cache-check: fail (bnb-gc-fix)", "ERROR suite/test_bump.py::test_leaks*"]
+            ["parametrize-cache-check: fail (bnb-gc-fix; *", "ERROR suite/test_bump.py::test_leaks*"]
         )
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
 # Each shadow leaves a file named after itself when it runs.
 SHADOW = "open(__file__ + '.ran', 'w').close()\n"
-SHADOWED = ("bnb_gc_fix", "_bnb_gc_fix_cache", "_bnb_gc_fix_imports", "_bnb_gc_fix_vocabulary")
+SHADOWED = ("bnb_gc_fix", "_bnb_gc_fix")
 
 # A training script that never imports the package: the start-up hook alone turns the fix on.
 TRAIN = """
@@ -128,7 +128,7 @@ def _site_packages() -> list[str]:
 
 def test_the_start_file_names_the_start_up_function_and_is_installed_beside_the_pth_file() -> None:
     lines = [line for line in START.read_text().splitlines() if line.strip()]
-    assert lines == ["_bnb_gc_fix_boot:install_quietly"]
+    assert lines == ["_bnb_gc_fix.startup:install_quietly"]
     installed = [Path(folder) / "bnb_gc_fix.start" for folder in _site_packages()]
     assert any(path.exists() and path.read_text() == START.read_text() for path in installed)
     assert any((path.parent / "bnb_gc_fix.pth").exists() for path in installed if path.exists())
@@ -162,7 +162,7 @@ def test_the_start_files_entry_point_control_switched_off_installs_nothing() -> 
 
 def test_the_start_up_function_called_again_after_the_pth_file_installs_no_second_watcher() -> None:
     # A Python that ran the .pth file's import line, and something (a .start file) calling it again.
-    code = "import _bnb_gc_fix_boot as boot\nboot.install_quietly()\n" + WATCHERS_AND_TRAINING
+    code = "from _bnb_gc_fix import startup\nstartup.install_quietly()\n" + WATCHERS_AND_TRAINING
     run = run_code(code, prelude="scenarios", switch=FIX).last_json
     assert run["watchers"] == 1 and run["counters"] == [0, 0, 0]
 

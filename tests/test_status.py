@@ -73,7 +73,7 @@ WARN_PATHS = {
         + "import os\nos.environ['BNB_GC_FIX'] = 'auto'\nimport bnb_gc_fix\nbnb_gc_fix.deactivate()\n"
         + "os.environ['BNB_GC_FIX'] = 'sometimes'\nbnb_gc_fix.activate()  # USER LINE\n"
     ),
-    "start-up hook": "import bitsandbytes  # USER LINE\n",
+    "start-up hook": "import bitsandbytes.nn.parametrize  # USER LINE\n",
     "patch skipped": (
         WITHOUT_STARTUP_HOOK
         + "from bitsandbytes.nn import parametrize\ndel parametrize._disable_parametrization_cache\n"

@@ -14,7 +14,7 @@ tests (``pytest -m matrix``); what is expected comes from the installed versions
   ``use_reentrant=False`` (leaks where affected) and once with 4.x's default reentrant checkpointing
   (never leaks); transformers 5: the tiny OLMoE of the bug report (fused 3-D experts).
 
-The affected range is the package's own (``bnb_gc_fix.targets``: ``first_affected``, ``first_fixed``,
+The affected range is the package's own (``_bnb_gc_fix``: ``first_affected``, ``first_fixed``,
 read by conftest in a fresh interpreter), never typed here.
 
 The status is read from ``bnb-gc-fix status --json`` (keys ``state``, ``active``, ``bitsandbytes``,
@@ -50,7 +50,7 @@ STEPS = 3
 def _kind() -> str:
     if BITSANDBYTES is None:
         return "no-bitsandbytes"
-    # The range as the package states it (bnb_gc_fix.targets); a pre-release counts as its release.
+    # The range as the package states it (_bnb_gc_fix); a pre-release counts as its release.
     version = Version(Version(BITSANDBYTES).base_version)
     if version < Version(FIRST_AFFECTED):
         return "no-parametrize"

@@ -57,18 +57,21 @@ def test_wheel_holds_the_start_up_hook_the_plugin_and_the_console_script() -> No
         # PEP 829's start-up file, beside the .pth file at the wheel's root (site-packages).
         assert archive.read("bnb_gc_fix.start") == (ROOT / "bnb_gc_fix.start").read_bytes()
         for needed in (
-            "_bnb_gc_fix_boot.py",
-            "_bnb_gc_fix_cache.py",
-            "_bnb_gc_fix_imports.py",
-            "_bnb_gc_fix_vocabulary.py",
-            "bnb_gc_fix_pytest.py",
+            "_bnb_gc_fix/__init__.py",
+            "_bnb_gc_fix/startup.py",
+            "_bnb_gc_fix/cache.py",
+            "_bnb_gc_fix/pytest_plugin.py",
+            "_bnb_gc_fix/runner_path/sitecustomize.py",
             "bnb_gc_fix/py.typed",
             "bnb_gc_fix/__init__.py",
         ):
             assert needed in names
+        # The wheel's top level: the two packages and the two start-up files, nothing else.
+        top = {name.split("/")[0] for name in names} - {info}
+        assert top == {"_bnb_gc_fix", "bnb_gc_fix", "bnb_gc_fix.pth", "bnb_gc_fix.start"}, top
         entry_points = archive.read(f"{info}/entry_points.txt").decode()
         assert re.search(r"^\[console_scripts\][^\[]*^bnb-gc-fix = bnb_gc_fix\.cli:main$", entry_points, re.M)
-        assert re.search(r"^\[pytest11\][^\[]*^bnb_gc_fix = bnb_gc_fix_pytest$", entry_points, re.M)
+        assert re.search(r"^\[pytest11\][^\[]*^bnb_gc_fix = _bnb_gc_fix\.pytest_plugin$", entry_points, re.M)
         assert _requirements(archive.read(f"{info}/METADATA").decode()) == RUNTIME_DEPS
         stray = sorted(n for n in names if n.startswith(("tests/", "benchmarks/", "scripts/", "docs/")))
         assert not stray
@@ -80,11 +83,9 @@ def test_sdist_holds_exactly_what_pyproject_includes() -> None:
     for needed in (
         "bnb_gc_fix.pth",
         "bnb_gc_fix.start",
-        "_bnb_gc_fix_imports.py",
-        "_bnb_gc_fix_vocabulary.py",
-        "_bnb_gc_fix_boot.py",
-        "_bnb_gc_fix_cache.py",
-        "bnb_gc_fix_pytest.py",
+        "_bnb_gc_fix/__init__.py",
+        "_bnb_gc_fix/startup.py",
+        "_bnb_gc_fix/pytest_plugin.py",
         "pyproject.toml",
         "bnb_gc_fix/py.typed",
     ):

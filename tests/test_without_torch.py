@@ -30,7 +30,7 @@ def test_start_up_hook_runs_imports_nothing_costly_and_prints_nothing(tmp_path: 
     result = run_python(["-c", "import json, sys; print(json.dumps(sorted(sys.modules)))"], cwd=tmp_path)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     modules = set(json.loads(result.stdout))
-    assert "_bnb_gc_fix_boot" in modules
+    assert "_bnb_gc_fix.startup" in modules
     assert not modules & HEAVY, sorted(modules & HEAVY)
 
 

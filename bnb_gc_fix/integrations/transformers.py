@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-import _bnb_gc_fix_cache as cache
+from _bnb_gc_fix import cache
 from bnb_gc_fix.guard import check_and_release
 
 
@@ -30,5 +30,6 @@ class LeakGuardCallback(TrainerCallback):
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self.released += check_and_release(strict=self.strict, start=self._start)
+        where = f"step {getattr(state, 'global_step', '?')}"
+        self.released += check_and_release(strict=self.strict, start=self._start, where=where)
         return control

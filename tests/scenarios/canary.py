@@ -22,9 +22,6 @@ import torch
 import torch.nn.utils.parametrize as P
 from torch import nn
 
-CALL_IMPL = nn.Module._call_impl
-MODULE_FILE = CALL_IMPL.__code__.co_filename
-RESUME = "torch_dynamo_resume_in_"
 FACTS: dict[str, dict[str, Any]] = {"torch": {}, "parametrize": {}, "dynamo": {}, "bitsandbytes": {}}
 
 
@@ -40,58 +37,35 @@ def fact(group: str, name: str) -> Callable[[Callable[[], Any]], Callable[[], An
     return record
 
 
-# --- torch.nn.Module: the frames of a call, and the hook dictionaries ---------------------------------
+# --- torch.nn.Module: the frame of a call, and the hook dictionaries ----------------------------------
 
 
-def live_calls(module: nn.Module, start: Any) -> list[list[Any]]:
-    """The frames of torch's module file from ``start`` down: [name, is Module._call_impl's own code,
-    whether its local ``self`` is ``module``]."""
-    frames = []
-    frame = start
-    while frame is not None:
-        if frame.f_code.co_filename == MODULE_FILE:
-            frames.append(
-                [
-                    frame.f_code.co_name,
-                    frame.f_code is CALL_IMPL.__code__,
-                    frame.f_locals.get("self") is module,
-                ]
-            )
-        frame = frame.f_back
-    return frames
+@fact("torch", "pre_hook_caller_frame")
+def _pre_hook_caller_frame() -> Any:
+    """The frame that calls a forward pre-hook (torch's ``Module._call_impl``) is on the stack in the
+    forward and in the forward hooks of that call, and no longer once the call has returned."""
+    seen: dict[str, bool] = {}
+    caller: list[Any] = []
 
-
-@fact("torch", "call_impl")
-def _call_impl() -> Any:
-    return {
-        "is_function_with_code": inspect.isfunction(CALL_IMPL) and hasattr(CALL_IMPL, "__code__"),
-        "name": CALL_IMPL.__code__.co_name,
-        "__call__": nn.Module.__call__.__name__,
-    }
-
-
-@fact("torch", "frames_seen_by_hooks_and_forward")
-def _frames_seen() -> Any:
-    """Where a pre-hook, the forward and a forward hook run: the stack holds the module's own call."""
-    seen: dict[str, list[list[Any]]] = {}
+    def on_stack() -> bool:
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame is caller[0]:
+                return True
+            frame = frame.f_back  # type: ignore[assignment]
+        return False
 
     class Probe(nn.Module):
         def forward(self, x: Any) -> Any:
-            seen["forward"] = live_calls(self, sys._getframe())
+            seen["forward"] = on_stack()
             return x
 
     module = Probe()
-    module.register_forward_pre_hook(
-        lambda m, args: seen.__setitem__("pre_hook", live_calls(m, sys._getframe()))
-    )
-    module.register_forward_hook(
-        lambda m, args, out: seen.__setitem__("forward_hook", live_calls(m, sys._getframe())),
-        always_call=True,
-    )
+    module.register_forward_pre_hook(lambda m, args: caller.append(sys._getframe(1)))
+    module.register_forward_hook(lambda m, args, out: seen.__setitem__("forward_hook", on_stack()))
     module(torch.zeros(1))
-    return {
-        where: [name for name, own, is_self in frames if own and is_self] for where, frames in seen.items()
-    }
+    seen["after_the_call"] = on_stack()
+    return seen
 
 
 HOOK_DICTS = (
@@ -230,101 +204,23 @@ def _follows_counter() -> Any:
     return {"stored_while_on": stored, "stored_while_off": len(P._cache)}
 
 
-# --- Dynamo: what frames a compiled call leaves, and its compiler switches ----------------------------
+# --- Dynamo: its compiler switches ---------------------------------------------------------------------
 
 
 @fact("dynamo", "switches")
 def _switches() -> Any:
-    compiling = getattr(torch.compiler, "is_dynamo_compiling", None)
+    compiling = torch.compiler.is_dynamo_compiling
 
     def traced(x: Any) -> Any:
-        flag = compiling() if compiling is not None else torch._dynamo.is_compiling()
-        return x + (1 if flag else 0)
+        return x + (1 if compiling() else 0)
 
     compiled = torch.compile(traced, backend="eager", fullgraph=True)
-    eager_only = torch.compiler.disable(lambda: compiling() if compiling is not None else None)
+    eager_only = torch.compiler.disable(lambda: compiling())
     return {
-        "is_dynamo_compiling": compiling is not None or hasattr(torch._dynamo, "is_compiling"),
         "folded_true_when_traced": float(compiled(torch.zeros(1))[0]) == 1.0,
         "false_in_eager": float(traced(torch.zeros(1))[0]) == 0.0,
-        "disable_runs_eagerly": torch.compile(lambda: eager_only(), backend="eager")() in (False, None),
+        "disable_runs_eagerly": torch.compile(lambda: eager_only(), backend="eager")() is False,
     }
-
-
-@fact("dynamo", "frame_names")
-def _frame_names() -> Any:
-    """A compiled function's frames, seen from eager code at its graph breaks: the transformed copy keeps
-    the function's name and file, a resume function is named ``torch_dynamo_resume_in_<name>_at_<line>``,
-    and both keep ``self`` where the code still needs it."""
-    seen: list[list[Any]] = []
-
-    @torch.compiler.disable
-    def look(owner: Any) -> None:
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename != __file__:
-            frame = frame.f_back
-        assert frame is not None
-        seen.append([frame.f_code.co_name, frame.f_locals.get("self") is owner])
-
-    class Box:
-        def _call_impl(self, x: Any) -> Any:  # named as torch's, so the resume name is the gate's
-            y = x.sin()
-            look(self)
-            y = y.cos()
-            look(self)
-            return y + self.bias()
-
-        def bias(self) -> int:
-            return 1
-
-    box = Box()
-    compiled = torch.compile(box._call_impl, backend="eager")
-    compiled(torch.zeros(2))
-    return [[name.split("_at_")[0], has_self] for name, has_self in seen]
-
-
-@fact("dynamo", "compiled_module_calls")
-def _compiled_module_calls() -> Any:
-    """From eager code inside a compiled module's pre-hook, forward and forward hook: the frames of torch's
-    module file on the stack, by name, and whether one of them is a call of the module that the gate
-    recognises (Module._call_impl's code, or a frame of that file named like it or its resume function)."""
-    names: set[str] = set()
-    recognised: dict[str, bool] = {}
-
-    @torch.compiler.disable
-    def look(module: nn.Module, where: str) -> None:
-        frames = live_calls(module, sys._getframe(1))
-        names.update(name.split("_at_")[0] for name, _, _ in frames)
-        recognised[where] = any(
-            is_self and (own or name == "_call_impl" or name.startswith(RESUME + "_call_impl"))
-            for name, own, is_self in frames
-        )
-
-    class Block(nn.Module):
-        def __init__(self, how: str) -> None:
-            super().__init__()
-            self.linear = nn.Linear(4, 4)
-            self.how = how
-
-        def forward(self, x: Any) -> Any:
-            x = self.linear(x).tanh()
-            look(self, f"{self.how} forward")
-            return x * 2
-
-    for how in ("torch.compile(model)", "model.compile()"):
-        block = Block(how)
-        block.register_forward_pre_hook(lambda m, a, how=how: look(m, f"{how} pre_hook"))
-        block.register_forward_hook(lambda m, a, o, how=how: look(m, f"{how} forward_hook"), always_call=True)
-        model = nn.Sequential(nn.Linear(4, 4), block)
-        if how == "model.compile()":
-            if not hasattr(model, "compile"):  # torch < 2.2
-                continue
-            model.compile(backend="eager")
-        else:
-            model = torch.compile(model, backend="eager")
-        for _ in range(2):
-            model(torch.randn(2, 4))
-    return {"names": sorted(names), "recognised": recognised}
 
 
 # --- bitsandbytes: the functions the package wraps and what they register ---------------------------
@@ -334,18 +230,20 @@ def _bitsandbytes() -> None:
     import bitsandbytes
     from bitsandbytes.nn import parametrize as bnb
 
-    from bnb_gc_fix import targets  # the package's statement of what it needs
+    import _bnb_gc_fix as words  # the package's statement of what it needs
 
-    target = targets.BITSANDBYTES
+    target = words.BITSANDBYTES
 
     group = FACTS["bitsandbytes"]
     group["version"] = getattr(bitsandbytes, "__version__", None)
     group["target_module"] = target.module == bnb.__name__
 
-    @fact("bitsandbytes", "signatures")
-    def _signatures() -> Any:
+    @fact("bitsandbytes", "functions")
+    def _functions() -> Any:
+        """The functions the package wraps (and the one that quantizes), each callable with a module and
+        a parameter's name first (the probe's and the register wrapper's call)."""
         out = {}
-        for name, arity in (*target.signatures, ("replace_parameter_4bit", 2)):
+        for name in (target.register, words.ENABLE_HOOK, words.DISABLE_HOOK, "replace_parameter_4bit"):
             function = getattr(bnb, name, None)
             if function is None:
                 out[name] = "missing"
@@ -355,9 +253,7 @@ def _bitsandbytes() -> None:
                 for p in inspect.signature(function).parameters.values()
                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
             ]
-            required = [p for p in positional if p.default is p.empty]
-            out[name] = len(required) <= arity <= len(positional)
-        out["register"] = target.register in dict(target.signatures)
+            out[name] = callable(function) and len(positional) >= 2
         return out
 
     @fact("bitsandbytes", "registered_pair")

@@ -9,7 +9,8 @@ Triggers (each the hostile case that once crashed the gate's self-healing inside
 * ``error``: the same with a ``RuntimeError`` (an ``Exception``: always-called hooks run);
 * ``selfcall``: a compiled weight-shared block that calls itself inside its forward, for a
   fixed depth;
-* ``threads``: a compiled model served from two threads with a graph break (``.tolist()``)
+* ``threads``: a compiled model served from two threads, one after the other (two threads recompiling
+  one frame at once race inside Dynamo itself, the control too), with a graph break (``.tolist()``)
   inside the quantized module;
 * ``loop``: an ordinary compiled training loop (no interrupt), counting the graphs compiled.
 
@@ -114,10 +115,9 @@ def run(trigger: str, backend: str, steps: int) -> dict[str, Any]:
                 except BaseException as error:  # reported, not hidden
                     errors.append(f"{type(error).__name__}: {error}"[:300])
 
-            threads = [threading.Thread(target=serve, args=(i,)) for i in range(2)]
-            for thread in threads:
+            for i in range(2):
+                thread = threading.Thread(target=serve, args=(i,))
                 thread.start()
-            for thread in threads:
                 thread.join()
             outputs.append(round(sum(results.values()), 4))
         else:

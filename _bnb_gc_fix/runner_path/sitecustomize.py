@@ -1,6 +1,6 @@
 """sitecustomize used by ``bnb-gc-fix run``: install the start-up hook, then load the user's own.
 
-This directory is put first on ``PYTHONPATH`` by the runner, so Python imports this file as
+The runner puts this directory first on ``PYTHONPATH``, so Python imports this file as
 ``sitecustomize`` at start-up. It must print nothing and raise nothing of its own.
 """
 
@@ -28,8 +28,8 @@ def _load_users_sitecustomize() -> None:
 
 
 try:
-    from _bnb_gc_fix_boot import install_quietly
-    from _bnb_gc_fix_vocabulary import VIA_RUNNER
+    from _bnb_gc_fix import VIA_RUNNER
+    from _bnb_gc_fix.startup import install_quietly
 except Exception:
     pass
 else:

@@ -1,7 +1,10 @@
 """pytest plugin: report the tests and fixtures that leave torch's parametrization cache switched on.
 
 Opt in with ``--parametrize-cache-check`` (warn mode), with ``--parametrize-cache-check-mode=warn|fail|off``,
-or with the ini option ``parametrize_cache_check``.
+or with the ini option ``parametrize_cache_check``. The check switches bnb-gc-fix's own fix off for the
+whole run (``BNB_GC_FIX=0``, set before any conftest or test module is imported, and inherited by xdist
+workers), since the fix would hide the very leak the check is for; without the check the plugin changes
+nothing.
 
 A hold kept on purpose has a live owner: a ``P.cached()`` context entered and not yet exited. Such a
 context belongs to a fixture when it appeared during that fixture's setup. Everything else is a leak,
@@ -11,8 +14,8 @@ which is reported, released at once and summarised at the end of the session:
 * a context that a fixture still holds after its finalizer;
 * after a test, a counter other than the holds the live fixtures own, or tensors left cached at 0.
 
-pytest imports this module in every run, so it imports only the standard library, pytest and the leaf
-module ``_bnb_gc_fix_cache``: importing ``bnb_gc_fix`` would activate the fix.
+pytest imports this module in every run, so it imports only the standard library, pytest and the
+private package (``_bnb_gc_fix``): importing ``bnb_gc_fix`` would turn the fix on.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-import _bnb_gc_fix_cache as cache
+import _bnb_gc_fix as words
+from _bnb_gc_fix import cache
 
 OFF = "off"
 WARN = "warn"
@@ -49,10 +53,6 @@ PROPERTY = "parametrize_cache_leak"
 _SWITCH = "parametrize_cache_check_switch"
 _PLUGIN_NAME = "bnb_gc_fix_parametrize_cache_check"
 
-# The word status().state reports while the fix is patching: bnb_gc_fix.activation.State.PATCHED's
-# value. It is spelled out here because this module must not import the package, and the standard-library
-# leaf modules it may import (_bnb_gc_fix_vocabulary, _bnb_gc_fix_cache) do not name the states.
-_PATCHED = "patched"
 # Where the summary places the leaks of fixtures finalised after the last test report.
 _SESSION_END = "the end of the session"
 
@@ -129,15 +129,48 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(INI, "parametrization cache check: off (default), warn or fail", default=OFF)
 
 
+def _mode(config: pytest.Config, options: argparse.Namespace) -> tuple[str, str]:
+    """The mode the command line and the ini file ask for, and the value it was read from (a mode
+    that is not known is the caller's to refuse)."""
+    chosen = getattr(options, INI, None)
+    raw = str(chosen or config.getini(INI) or OFF)
+    mode = raw.strip().lower()
+    # The plain switch keeps a mode the ini file asks for, and means warn where nothing asks for one.
+    if mode == OFF and chosen is None and getattr(options, _SWITCH, False):
+        mode = WARN
+    return mode, raw
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """With the check on, switch the fix off before any conftest or test module is imported."""
+    mode, _ = _mode(early_config, early_config.known_args_namespace)
+    if mode in (WARN, FAIL):
+        _switch_the_fix_off(early_config)
+
+
+def _switch_the_fix_off(config: pytest.Config) -> None:
+    """``BNB_GC_FIX=0`` for this run and the processes it starts (xdist's workers among them), put
+    back as it was when the run ends; where the fix is on already, it is turned off."""
+    previous = os.environ.get(words.VARIABLE)
+    os.environ[words.VARIABLE] = "0"
+    config.add_cleanup(functools.partial(_restore_switch, previous))
+    package = sys.modules.get("bnb_gc_fix")
+    if package is not None:
+        package.deactivate()
+
+
+def _restore_switch(previous: str | None) -> None:
+    if previous is None:
+        os.environ.pop(words.VARIABLE, None)
+    else:
+        os.environ[words.VARIABLE] = previous
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    chosen = config.getoption(INI)
-    raw = chosen or config.getini(INI) or OFF
-    mode = str(raw).strip().lower()
+    mode, raw = _mode(config, config.option)
     if mode not in MODES:
         raise pytest.UsageError(f"{INI} = {raw!r}: expected one of {', '.join(MODES)}")
-    # The plain switch keeps a mode the ini file asks for, and means warn where nothing asks for one.
-    if mode == OFF and chosen is None and config.getoption(_SWITCH):
-        mode = WARN
     if mode != OFF:
         config.pluginmanager.register(CacheCheck(mode), _PLUGIN_NAME)
 
@@ -150,20 +183,20 @@ def _fix_state() -> str:
     """
     status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
     if status is None:
-        return f"bnb-gc-fix: not loaded in this process ({_switch_text(os.environ.get('BNB_GC_FIX'))})"
+        return f"bnb-gc-fix: not loaded in this process ({_switch_text(os.environ.get(words.VARIABLE))})"
     try:
         now = status()
     except Exception as error:  # A report line must never break the run.
         return f"bnb-gc-fix: status unknown ({type(error).__name__})"
-    if now.state == _PATCHED:
+    if now.state == words.PATCHED:
         return "bnb-gc-fix: patching"
     return f"bnb-gc-fix: not patching ({now.state}; {_switch_text(now.switch)})"
 
 
 def _switch_text(switch: str | None) -> str:
     if switch is None:
-        return "BNB_GC_FIX unset"
-    return f"BNB_GC_FIX={switch!r}"
+        return f"{words.VARIABLE} unset"
+    return f"{words.VARIABLE}={switch!r}"
 
 
 def _suspended(generator: Any) -> bool:
@@ -284,7 +317,10 @@ class CacheCheck:
         self.leaks: list[Leak] = []
 
     def pytest_report_header(self) -> str:
-        return f"parametrize-cache-check: {self.mode} (bnb-gc-fix)"
+        return (
+            f"parametrize-cache-check: {self.mode} (bnb-gc-fix; its fix is switched off for this run, "
+            f"{words.VARIABLE}=0, so that the leaks show)"
+        )
 
     @contextlib.contextmanager
     def _guard(self, where: str) -> Iterator[None]:

@@ -1,9 +1,9 @@
 """torch's parametrization cache, read and released without ever importing torch.
 
 ``_cache_enabled`` counts the holds on the global cache (the cache is on while it is not 0, below 0
-included); ``_cache`` keeps what is computed while it is on. This module is a leaf: it imports only the
-standard library and ``_bnb_gc_fix_vocabulary``, for the pytest plugin, which must not import the
-package (importing the package activates the fix). The package learns of a :func:`reset` by
+included); ``_cache`` keeps what is computed while it is on. This module imports only the standard
+library and the private package's words, for the pytest plugin, which must not import the public
+package (importing that one turns the fix on). The public package learns of a :func:`reset` by
 registering with :func:`on_reset`.
 """
 
@@ -13,12 +13,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import _bnb_gc_fix_vocabulary as vocabulary
+import _bnb_gc_fix as words
 
 PARAMETRIZE = "torch.nn.utils.parametrize"
 
 
-def _affected(library: vocabulary.Facts, function: str) -> str:
+def _affected(library: words.Facts, function: str) -> str:
     return f"{library.name} {library.first_affected} to before {library.first_fixed}: {function}"
 
 
@@ -26,8 +26,8 @@ def _affected(library: vocabulary.Facts, function: str) -> str:
 CAUSE = (
     "usually a forward left by an exception that skipped the forward hook switching the cache off: "
     "non-reentrant activation checkpointing stopping its recompute early ("
-    f"{_affected(vocabulary.BITSANDBYTES, 'replace_parameter_4bit')}; "
-    f"{_affected(vocabulary.AXOLOTL, 'replace_parameter_8bit')}), "
+    f"{_affected(words.BITSANDBYTES, 'replace_parameter_4bit')}; "
+    f"{_affected(words.AXOLOTL, 'replace_parameter_8bit')}), "
     "or a KeyboardInterrupt (a notebook's stop button)"
 )
 
@@ -83,8 +83,3 @@ def reset(keep: int = 0) -> int:
         if keep == 0:
             module._cache = {}
     return max(before - keep, 0)
-
-
-def gil_enabled() -> bool:
-    """False on a free-threaded Python running without the GIL: the counter's update is then not atomic."""
-    return bool(getattr(sys, "_is_gil_enabled", lambda: True)())
