@@ -121,11 +121,11 @@ def _on_stack(wanted: FrameType | None, start: FrameType) -> bool:
     return False
 
 
-def _forget_ended(holds: Holds, stack: set[FrameType], most: int) -> int:
-    """Forget, innermost first and at most ``most`` of them, the holds whose frames are not in
-    ``stack`` (a hold without a frame among them), without giving them back; returns how many."""
+def _forget_ended(holds: Holds, stack: set[FrameType]) -> int:
+    """Forget, innermost first, the holds whose frames are not in ``stack`` (a hold without a frame
+    among them), without giving them back; returns how many."""
     forgotten = 0
-    while forgotten < most and holds and holds[-1] not in stack:
+    while holds and holds[-1] not in stack:
         holds.pop()
         forgotten += 1
     return forgotten
@@ -147,21 +147,20 @@ def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
         return
     if _on_stack(holds[-1], caller):
         return
-    ended = _forget_ended(holds, set(_stack(caller)), len(holds))
+    ended = _forget_ended(holds, set(_stack(caller)))
     cache.give_back(ended)
 
 
-def give_back_ended(most: int) -> int:
-    """Give back at most ``most`` of this thread's holds, on every gate, whose calls have ended (left
-    by a ``BaseException``, or taken in a compiled trace); returns how many. What the safety nets
-    release as their own, from outside the forwards of gated modules (a forward still running around
-    the caller keeps its hold)."""
+def give_back_ended() -> int:
+    """Give back this thread's holds, on every gate, whose calls have ended (left by a
+    ``BaseException``, or taken in a compiled trace); returns how many. What the safety nets release as
+    their own (a forward still running around the caller keeps its hold)."""
     stack = set(_stack(_frame(1)))
     me = threading.get_ident()
     released = 0
     for thread_holds in every_holds():
         if thread_holds.thread == me:
-            released += _forget_ended(thread_holds.holds, stack, most - released)
+            released += _forget_ended(thread_holds.holds, stack)
     cache.give_back(released)
     return released
 

@@ -29,11 +29,12 @@ def _warn_every_time(message: str, stacklevel: int) -> None:
 
 
 def check_and_release(strict: bool = False, start: int = 0, where: str = "the step") -> int:
-    """Release what the counter rose by since it was ``start`` and is provably left behind, and say so
-    (``strict=True``: raise :class:`CacheLeakError` after releasing); returns the holds released.
-    ``where`` names the step in the report."""
+    """Release what is provably left behind (:mod:`bnb_gc_fix.release`; of what no gate accounts for,
+    only the counter's rise since it was ``start``), and say so (``strict=True``: raise
+    :class:`CacheLeakError` after releasing); returns the holds released. ``where`` names the step in
+    the report."""
     end = cache.counter()
-    if end <= max(start, 0):  # nothing added, or nothing held (torch's parametrize not imported: 0)
+    if end <= 0:  # nothing held (torch's parametrize not imported: 0)
         return 0
     from bnb_gc_fix.release import left_text, release_left_behind  # imports torch, which holds something
 

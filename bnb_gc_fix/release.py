@@ -20,30 +20,27 @@ from bnb_gc_fix import gate
 
 @dataclass(frozen=True)
 class Release:
-    """What a safety net found after a step or a cell that left the counter higher than it found it."""
+    """What a safety net found after a step or a cell."""
 
-    rise: int  # how far the counter rose, as far as it still holds
     released: int  # holds given back: ended calls of this thread's gates, and what no one could own
     left: int  # holds of the rise left in place: no gate accounts for them, and other threads run
     cached_bytes: int  # what the cache held before anything was given back
 
 
 def release_left_behind(added: int) -> Release:
-    """Give back what of the counter's rise ``added`` is provably left behind (see the module)."""
-    counter = cache.counter()
-    rise = min(added, counter)
+    """Give back this thread's gate holds whose calls have ended (whenever they were taken), and of the
+    counter's rise ``added`` during the step or cell what no gate accounts for, where no other thread
+    runs; see the module."""
     cached = cache.cached_bytes()
-    if rise <= 0:
-        return Release(rise=0, released=0, left=0, cached_bytes=cached)
-    ended = gate.give_back_ended(rise)
+    ended = gate.give_back_ended()
     gates_hold = sum(len(thread_holds.holds) for thread_holds in gate.every_holds())
-    unaccounted = min(rise - ended, cache.counter() - gates_hold)
+    unaccounted = min(added - ended, cache.counter() - gates_hold)
     if unaccounted <= 0:
-        return Release(rise=rise, released=ended, left=0, cached_bytes=cached)
+        return Release(released=ended, left=0, cached_bytes=cached)
     if threading.active_count() > 1:
-        return Release(rise=rise, released=ended, left=unaccounted, cached_bytes=cached)
+        return Release(released=ended, left=unaccounted, cached_bytes=cached)
     cache.give_back(unaccounted)
-    return Release(rise=rise, released=ended + unaccounted, left=0, cached_bytes=cached)
+    return Release(released=ended + unaccounted, left=0, cached_bytes=cached)
 
 
 def left_text(left: int) -> str:

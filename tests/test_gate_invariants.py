@@ -1,9 +1,12 @@
 """The gate's invariant, for every program, and the behaviours each guarded by a test of its own.
 
 The property test runs Hypothesis inside a fresh interpreter (``tests/scenarios/gate_property.py``):
-random programs of nested, sibling and self-calling quantized modules, checkpointed regions whose
-recompute stops early, ``Exception`` and ``BaseException`` raised at random points and caught at
-random levels, and sub-programs on a second thread. Its control, with the fix switched off, must be
+random programs on two interleaved threads, each step guarded, of nested, sibling and self-calling
+quantized modules, ``P.cached()`` blocks, checkpointed regions whose recompute stops early,
+``Exception`` and ``BaseException`` raised at random points and caught at random levels, and yields to
+the other thread with calls and blocks still open. The counter is never negative and after every step
+equals the holds of calls still running and of open ``P.cached()`` blocks (plus what a
+``BaseException`` left on the other thread, mid-step). Its control, with the fix switched off, must be
 falsified. The tests below it each pin one behaviour that a one-line edit of the gate could break
 (a mutation pass found two such edits that no test killed: the clamp skipping bitsandbytes' own
 function above zero, and ``reset()`` keeping the gates' holds).
@@ -22,13 +25,13 @@ PROPERTY = SCENARIOS / "gate_property.py"
 EXAMPLES = os.environ.get("BNB_GC_FIX_PROPERTY_EXAMPLES", "300")
 
 
-def test_gate_invariant_holds_for_random_programs() -> None:
+def test_the_liveness_rule_holds_for_random_programs_on_two_threads() -> None:
     result = run_python([str(PROPERTY), "--examples", EXAMPLES], switch=FIX, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"PROPERTY HELD over {EXAMPLES} programs" in result.stdout
 
 
-def test_gate_invariant_control_is_falsified_without_the_fix() -> None:
+def test_the_liveness_rule_control_is_falsified_without_the_fix() -> None:
     result = run_python([str(PROPERTY), "--examples", EXAMPLES], switch="0", timeout=900)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PROPERTY FAILED" in result.stdout

@@ -1,19 +1,26 @@
-"""The gate's invariant over random programs (Hypothesis), in one fresh interpreter.
+"""The liveness rule over random programs on two interleaved threads (Hypothesis), in one interpreter.
 
     python tests/scenarios/gate_property.py [--examples N]
 
-A program is a tree of calls of a few 4-bit quantized modules: nested and sibling calls, a
-module calling itself (directly or through others), non-reentrant checkpointed regions whose
-backward recompute stops early, ``Exception`` and ``BaseException`` raised at random points and
-caught at random levels, and sub-programs run on a second thread. An oracle tracks what the
-counter must be: one hold per module call live on a stack, plus the holds that a
-``BaseException`` left behind on a thread that is still running and that no forward of that module
-on that thread has healed yet (a thread's holds end with it). After every
-caught exit: the counter equals the oracle, it is never negative, and the cache is empty at
-zero; at the end, one forward of every module heals what is left, and the counter is 0.
+Each of two threads runs a program of top-level steps, each step inside ``bnb_gc_fix.guard()`` (the
+safety net around a training step). A step is a tree of calls of a few 4-bit quantized modules: nested
+and sibling calls, a module calling itself (directly or through others), non-reentrant checkpointed
+regions whose backward recompute stops early, ``P.cached()`` blocks, ``Exception`` and
+``BaseException`` raised at random points and caught at random levels, and yields. A yield hands the
+turn to the other thread (one thread runs at a time, so every interleaving is the program's own and
+the same on every run): a call or a ``P.cached()`` block can stay open on one thread while the other
+runs.
 
-Exits 0 when the property holds; otherwise Hypothesis prints the smallest falsifying program and
-the exit status is 1 (the control, with the fix switched off, must fail).
+An oracle tracks what the counter must be: one hold per call still running and per open ``P.cached()``
+block, on either thread, plus the holds a ``BaseException`` left on the thread that is not at the end of
+a step (the module's next call on that thread gives them back, and the guard at the end of each step
+gives back what is left of its own thread's). After every caught exit, every yield and every step: the
+counter is never negative, it equals the oracle, and the cache is empty at zero. At the end the counter
+is 0.
+
+Exits 0 when the property holds; otherwise Hypothesis prints the smallest falsifying program and the
+exit status is 1 (the control, with the fix switched off, must fail: the guard cannot tell there which
+thread a hold left by bitsandbytes' plain pair belongs to while the other thread runs).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -31,11 +40,14 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import bnb_gc_fix
+
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from quantized import quantize
 
 MODULES = 3
 WIDTH = 8
+THREADS = 2
 
 
 class Interrupt(BaseException):
@@ -54,6 +66,11 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Cached:
+    body: tuple[Step, ...]  # run inside `with P.cached():`
+
+
+@dataclass(frozen=True)
 class Raise:
     base: bool  # Interrupt (a BaseException) or Failure (an Exception)
 
@@ -64,25 +81,24 @@ class Checkpointed:
 
 
 @dataclass(frozen=True)
-class OnThread:
-    body: tuple[Step, ...]  # run as a program of its own on a second thread, joined at once
+class Yield:
+    """Hand the turn to the other thread, and wait for it to come back."""
 
 
-Step = Union[Call, Raise, Checkpointed, OnThread]
+Step = Union[Call, Cached, Raise, Checkpointed, Yield]
 
 
 @dataclass
 class Oracle:
-    """What the counter must be: live calls on the stacks plus unhealed holds left by BaseExceptions,
-    by (thread, module)."""
+    """What the counter must be: per thread, the calls running and the open ``P.cached()`` blocks, and
+    the holds BaseExceptions left, by module."""
 
-    live: int = 0
-    stale: dict[tuple[int, int], int] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: list[int] = field(default_factory=lambda: [0] * THREADS)
+    stale: list[dict[int, int]] = field(default_factory=lambda: [{} for _ in range(THREADS)])
     failures: list[str] = field(default_factory=list)
 
     def expected(self) -> int:
-        return self.live + sum(self.stale.values())
+        return sum(self.live) + sum(sum(left.values()) for left in self.stale)
 
     def check(self, where: str) -> None:
         counter = int(P._cache_enabled)
@@ -97,8 +113,36 @@ class Oracle:
             self.failures.append(f"{where}: counter {counter}: {', '.join(problems)}")
 
 
+class Turns:
+    """One thread runs at a time; a yield hands the turn to the other thread while it has work."""
+
+    def __init__(self) -> None:
+        self.condition = threading.Condition()
+        self.turn = 0
+        self.done = [False] * THREADS
+
+    def wait(self, me: int) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: self.turn == me)
+
+    def hand_over(self, me: int) -> None:
+        other = 1 - me
+        if self.done[other]:
+            return
+        with self.condition:
+            self.turn = other
+            self.condition.notify_all()
+        self.wait(me)
+
+    def finish(self, me: int) -> None:
+        with self.condition:
+            self.done[me] = True
+            self.turn = 1 - me
+            self.condition.notify_all()
+
+
 class Node(nn.Module):
-    """A quantized module whose forward runs the program step it is given."""
+    """A quantized module whose forward runs the program steps it is given."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -106,116 +150,127 @@ class Node(nn.Module):
         self.names = ["w0"]
         self.w0 = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.1)
 
-    def forward(self, x: Any, body: tuple[Step, ...] = ()) -> Any:
+    def forward(self, x: Any, run_body: Callable[[], None] | None = None) -> Any:
         y = torch.tanh(x @ self.w0.t())
-        run(body, y.detach(), oracle=ORACLE)
+        if run_body is not None:
+            run_body()
         return y
 
 
-ORACLE = Oracle()
-NODES: list[Node] = []
+@dataclass
+class World:
+    oracle: Oracle
+    turns: Turns
+    nodes: list[Node]
 
 
-def call(step: Call, x: Any, oracle: Oracle) -> None:
-    module = NODES[step.module]
-    key = (threading.get_ident(), step.module)
-    with oracle.lock:
-        oracle.stale.pop(key, None)  # its pre-hook heals what BaseExceptions left on this thread
-        oracle.live += 1
+def _enter(world: World, me: int, module: int) -> None:
+    """A call of ``module`` on thread ``me`` starts: its pre-hook gives back what BaseExceptions left."""
+    world.oracle.stale[me].pop(module, None)
+
+
+def call(world: World, me: int, step: Call, x: Any) -> None:
+    oracle = world.oracle
+    _enter(world, me, step.module)
+    oracle.live[me] += 1
     try:
-        module(x, step.body)
+        world.nodes[step.module](x, lambda: run(world, me, step.body, x))
     except Failure:
-        with oracle.lock:
-            oracle.live -= 1  # the always-called hook gave it back
+        oracle.live[me] -= 1  # the always-called hook gave it back
         if step.catch is None:
             raise
         oracle.check("caught a Failure")
         return
     except Interrupt:
-        with oracle.lock:
-            oracle.live -= 1
-            oracle.stale[key] = oracle.stale.get(key, 0) + 1  # no hook ran
+        oracle.live[me] -= 1
+        oracle.stale[me][step.module] = oracle.stale[me].get(step.module, 0) + 1  # no hook ran
         if step.catch != "any":
             raise
         oracle.check("caught an Interrupt")
         return
-    with oracle.lock:
-        oracle.live -= 1
+    oracle.live[me] -= 1
 
 
-def checkpointed(step: Checkpointed, x: Any, oracle: Oracle) -> None:
-    module = NODES[step.module]
-    with oracle.lock:
-        oracle.stale.pop((threading.get_ident(), step.module), None)
+def cached(world: World, me: int, step: Cached, x: Any) -> None:
+    with P.cached():
+        world.oracle.live[me] += 1
+        try:
+            run(world, me, step.body, x)
+        finally:
+            world.oracle.live[me] -= 1  # the block's exit gives its hold back, however it is left
+
+
+def checkpointed(world: World, me: int, step: Checkpointed, x: Any) -> None:
+    _enter(world, me, step.module)
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
-        out = checkpoint(module, leaf, use_reentrant=False)
+        out = checkpoint(world.nodes[step.module], leaf, use_reentrant=False)
         out.sum().backward()  # the recompute's forward is stopped early by an exception inside it
-    oracle.check("after a checkpointed forward and its backward")
+    world.oracle.check("after a checkpointed forward and its backward")
 
 
-def on_thread(step: OnThread, x: Any, oracle: Oracle) -> None:
-    def body() -> None:
-        try:
-            run(step.body, x, oracle)
-        except (Failure, Interrupt):
-            oracle.check("caught on the thread")
-
-    thread = threading.Thread(target=body)
-    thread.start()
-    thread.join()
-    with oracle.lock:  # what the thread left behind ended with it
-        oracle.stale = {key: held for key, held in oracle.stale.items() if key[0] != thread.ident}
-    oracle.check("after joining the thread")
-
-
-def run(body: tuple[Step, ...], x: Any, oracle: Oracle) -> None:
+def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
     for step in body:
         if isinstance(step, Raise):
             raise Interrupt() if step.base else Failure()
-        if isinstance(step, Call):
-            call(step, x, oracle)
-        elif isinstance(step, Checkpointed):
-            checkpointed(step, x, oracle)
+        if isinstance(step, Yield):
+            world.turns.hand_over(me)
+            world.oracle.check("back from the other thread")
+        elif isinstance(step, Call):
+            call(world, me, step, x)
+        elif isinstance(step, Cached):
+            cached(world, me, step, x)
         else:
-            on_thread(step, x, oracle)
+            checkpointed(world, me, step, x)
 
 
-def programs(depth: int = 3) -> st.SearchStrategy[tuple[Step, ...]]:
+def thread_program(world: World, me: int, steps: tuple[tuple[Step, ...], ...]) -> None:
+    """Each top-level step guarded; what a BaseException left on this thread is gone after its guard."""
+    x = torch.randn(2, WIDTH)
+    world.turns.wait(me)
+    try:
+        for step in steps:
+            try:
+                with bnb_gc_fix.guard():
+                    run(world, me, step, x)
+            except (Failure, Interrupt):
+                pass
+            world.oracle.stale[me].clear()
+            world.oracle.check(f"after a step of thread {me}")
+    finally:
+        world.turns.finish(me)
+
+
+def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
     module = st.integers(0, MODULES - 1)
+    catch = st.sampled_from([None, "exception", "any"])
     leaf: st.SearchStrategy[Step] = st.one_of(
         st.builds(Raise, base=st.booleans()),
         st.builds(Checkpointed, module=module),
-        st.builds(Call, module=module, body=st.just(()), catch=st.sampled_from([None, "exception", "any"])),
+        st.builds(Yield),
+        st.builds(Call, module=module, body=st.just(()), catch=catch),
     )
 
     def extend(inner: st.SearchStrategy[Step]) -> st.SearchStrategy[Step]:
         bodies = st.lists(inner, max_size=3).map(tuple)
-        return st.one_of(
-            st.builds(Call, module=module, body=bodies, catch=st.sampled_from([None, "exception", "any"])),
-            st.builds(OnThread, body=bodies),
-        )
+        calls = st.builds(Call, module=module, body=bodies, catch=catch)
+        return st.one_of(calls, st.builds(Cached, body=bodies))
 
-    return st.lists(st.recursive(leaf, extend, max_leaves=8), min_size=1, max_size=4).map(tuple)
+    step = st.lists(st.recursive(leaf, extend, max_leaves=8), min_size=1, max_size=3).map(tuple)
+    return st.lists(step, min_size=1, max_size=3).map(tuple)
 
 
-def check_program(program: tuple[Step, ...]) -> None:
-    global ORACLE
+def check_programs(nodes: list[Node], first: Any, second: Any) -> None:
     P._cache_enabled = 0
     P._cache = {}
-    if "bnb_gc_fix" in sys.modules:
-        sys.modules["bnb_gc_fix"].reset()  # forget holds an earlier example left
-    ORACLE = oracle = Oracle()
-    x = torch.randn(2, WIDTH)
-    try:
-        run(program, x, oracle)
-    except (Failure, Interrupt):
-        oracle.check("caught at the top")
-    for index, module in enumerate(NODES):  # one forward of each heals what is left
-        oracle.stale.pop((threading.get_ident(), index), None)
-        module(x)
-    oracle.check("at the end")
-    assert not oracle.failures, "\n".join(oracle.failures)
+    bnb_gc_fix.reset()  # forget holds an earlier example left
+    world = World(oracle=Oracle(), turns=Turns(), nodes=nodes)
+    other = threading.Thread(target=thread_program, args=(world, 1, second))
+    other.start()
+    thread_program(world, 0, first)
+    other.join()
+    world.oracle.check("at the end")
+    assert not world.oracle.failures, "\n".join(world.oracle.failures)
     assert int(P._cache_enabled) == 0
 
 
@@ -224,7 +279,8 @@ def main() -> int:
     parser.add_argument("--examples", type=int, default=300)
     args = parser.parse_args()
     torch.manual_seed(0)
-    NODES.extend(quantize(Node(i)) for i in range(MODULES))  # type: ignore[misc]
+    nodes = [quantize(Node(i)) for i in range(MODULES)]  # type: ignore[arg-type]
+    warnings.simplefilter("ignore")  # the guard's reports: the oracle checks what they say
 
     @settings(
         max_examples=args.examples,
@@ -233,14 +289,14 @@ def main() -> int:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         database=None,
     )
-    @given(programs())
-    def prop(program: tuple[Step, ...]) -> None:
-        check_program(program)
+    @given(programs(), programs())
+    def prop(first: Any, second: Any) -> None:
+        check_programs(nodes, first, second)
 
     try:
         prop()
-    except AssertionError as error:
-        print(f"PROPERTY FAILED: {error}")
+    except Exception as error:  # an AssertionError, or Hypothesis' own report of a flaky one
+        print(f"PROPERTY FAILED: {type(error).__name__}: {error}")
         return 1
     print(f"PROPERTY HELD over {args.examples} programs")
     return 0
