@@ -1,13 +1,15 @@
 """What the benchmarks share besides the measuring (``_harness.py``): the configurations and upstream's
-fix, a worker's training step and its evidence, the tiny OLMoE, hand-built plain pairs and gates.
+fix, a worker's training step and its evidence, the tiny OLMoE, hand-built pairs and gates.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from _harness import ROOT
@@ -39,25 +41,34 @@ def config_env(config: str) -> dict[str, str]:
     return env
 
 
+#: bitsandbytes 0.50.2's disable hook, verbatim but for its comment and annotations.
+UPSTREAM_DISABLE = """
+def _disable_parametrization_cache(module, inputs, output):
+    P._cache_enabled = max(0, P._cache_enabled - 1)
+    if not P._cache_enabled:
+        P._cache = {}
+"""
+
+
+@functools.cache
 def upstream_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
     """Upstream 0.50's ``(_register_parametrization_hooks, _disable_parametrization_cache)``.
 
     Upstream's fix registers the disable hook with ``always_call=True`` (torch then runs it
-    when the forward raises) and clamps the counter at zero. Written here from that
-    description, against the installed bitsandbytes 0.48-0.49, so that the package can be
-    compared with upstream's fix on the same bitsandbytes.
+    when the forward raises) and clamps the counter at zero. Its disable hook is 0.50.2's code
+    (``UPSTREAM_DISABLE``) compiled in the installed bitsandbytes.nn.parametrize's namespace, so it reads
+    ``P`` as 0.50's own does; its enable hook is the installed one (the same code in 0.48-0.50). So the
+    package can be compared with upstream's fix on the same bitsandbytes. Made once: every module gets
+    the same two functions, as in 0.50.
     """
     from functools import partial
 
     import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
-    import torch.nn.utils.parametrize as P
 
-    def _disable_parametrization_cache(module: torch.nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-        P._cache_enabled = max(0, P._cache_enabled - 1)
-        if not P._cache_enabled:
-            P._cache = {}
-
+    defined: dict[str, Any] = {}
+    exec(UPSTREAM_DISABLE, vars(bnb_parametrize), defined)
+    disable: Callable[..., None] = defined["_disable_parametrization_cache"]
     enable = bnb_parametrize._enable_parametrization_cache
     state_dict_hook = bnb_parametrize._parametrized_state_dict_post_hook
 
@@ -66,9 +77,9 @@ def upstream_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
             partial(state_dict_hook, param_name=param_name)
         )
         module.register_forward_pre_hook(enable)
-        module.register_forward_hook(_disable_parametrization_cache, always_call=True)
+        module.register_forward_hook(disable, always_call=True)
 
-    return _register_parametrization_hooks, _disable_parametrization_cache
+    return _register_parametrization_hooks, disable
 
 
 def apply_upstream_fix() -> None:
@@ -215,24 +226,77 @@ def unpatched_bitsandbytes() -> Callable[..., None]:
     applied it (the scripts that build plain pairs and gates by hand set ``BNB_GC_FIX=0`` first)."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
-    from bnb_gc_fix import patch, targets
+    import _bnb_gc_fix as words
+    from bnb_gc_fix import patch
 
-    if patch.is_applied(bnb_parametrize, targets.BITSANDBYTES):
-        patch.remove(bnb_parametrize, targets.BITSANDBYTES)
+    if patch.is_applied(bnb_parametrize, words.BITSANDBYTES):
+        patch.remove(bnb_parametrize, words.BITSANDBYTES)
     register: Callable[..., None] = bnb_parametrize._register_parametrization_hooks
     return register
 
 
-def quantized(module: Any, gated: bool, names: tuple[str, ...] = ("weight",)) -> Any:
-    """``module`` with ``names`` quantized by ``replace_parameter_4bit`` (nf4): a plain pair each, or with
-    ``gated`` one gate in their place (``bnb_gc_fix.hooks.install``)."""
+#: The hooks a hand-built quantized module carries (``quantized``): bitsandbytes 0.49's plain pair per
+#: parameter, bitsandbytes 0.50's always-called pair per parameter, or one gate in the place of 0.49's.
+PAIRS_049 = "0.49 pairs"
+PAIRS_050 = "0.50 pairs"
+GATED = "gate"
+
+
+@contextlib.contextmanager
+def _registering(register: Callable[..., None]) -> Iterator[None]:
+    """bitsandbytes' ``_register_parametrization_hooks`` is ``register`` inside the block."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
-    from bnb_gc_fix import gate, hooks
+    own = bnb_parametrize._register_parametrization_hooks
+    bnb_parametrize._register_parametrization_hooks = register
+    try:
+        yield
+    finally:
+        bnb_parametrize._register_parametrization_hooks = own
 
-    for name in names:
-        bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4")
-    if gated:
-        assert hooks.install(module)
-    assert (gate.Gate.of(module) is not None) is gated
+
+def quantized(module: Any, hooks: str, names: tuple[str, ...] = ("weight",)) -> Any:
+    """``module`` with ``names`` quantized by ``replace_parameter_4bit`` (nf4), carrying ``hooks``:
+    ``PAIRS_049`` (bitsandbytes' own plain pair each), ``PAIRS_050`` (0.50's always-called pair each,
+    ``upstream_hooks``) or ``GATED`` (0.49's pairs, then ``bnb_gc_fix.hooks.install``: one gate)."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    from bnb_gc_fix import gate
+    from bnb_gc_fix import hooks as gate_hooks
+
+    register = upstream_hooks()[0] if hooks == PAIRS_050 else unpatched_bitsandbytes()
+    with _registering(register):
+        for name in names:
+            bnb_parametrize.replace_parameter_4bit(module, name, quant_type="nf4")
+    if hooks == GATED:
+        assert gate_hooks.install(module)
+    assert (gate.Gate.of(module) is not None) is (hooks == GATED)
+    pairs = 1 if hooks == GATED else len(names)
+    assert len(module._forward_pre_hooks) == pairs and len(module._forward_hooks) == pairs
+    always = len(module._forward_hooks_always_called)
+    assert always == (0 if hooks == PAIRS_049 else pairs), (hooks, always)
     return module.requires_grad_(False)
+
+
+def dequantizations(module: Any, call: Callable[[], Any]) -> int:
+    """How often one ``call`` dequantizes ``module``'s quantized parameters (calls of their
+    parametrizations' forwards, which run ``dequantize_4bit``), all of them together."""
+    count = 0
+    counted_ones = [module.parametrizations[name][0] for name in module.parametrizations]
+
+    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal count
+            count += 1
+            return original(*args, **kwargs)
+
+        return counted
+
+    for parametrization in counted_ones:
+        parametrization.forward = counting(parametrization.forward)
+    try:
+        call()
+    finally:
+        for parametrization in counted_ones:
+            del parametrization.forward
+    return count

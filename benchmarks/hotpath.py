@@ -1,10 +1,13 @@
-"""Hot-path benchmark: what one forward costs with the gate instead of bitsandbytes' plain pair, in seven
-cases (hooks alone, two parameters, two 4-bit parameters, the hook bodies, 8 threads and 1, self-calls);
-each case and its goal: benchmarks/README.md, "Hot path". Runs with ``BNB_GC_FIX=0``: every configuration
-is built by hand.
+"""Hot-path benchmark: what a forward of a MoE experts module (two parameters quantized by
+``replace_parameter_4bit``) costs with the gate, against bitsandbytes 0.50's own always-called pairs on
+the same module, the limit for a hook-based fix; a second 0.50 module is the noise floor, bitsandbytes
+0.49's plain pairs a reference. Four cases: the hook bodies called directly, the hooks through torch's
+module call, a real 4-bit forward on one thread, the same module served from 8 threads (benchmarks/
+README.md, "Hot path"; self-calls: ``nesting.py``). Runs with ``BNB_GC_FIX=0``: every configuration is
+built by hand.
 
-    python benchmarks/hotpath.py            # writes results/hotpath.json
-    python benchmarks/hotpath.py --quick    # fewer rounds (smoke run)
+    python benchmarks/hotpath.py            # writes results/hotpath.json, .md
+    python benchmarks/hotpath.py --quick    # 5 rounds of fewer calls (smoke run, results/tmp/)
 """
 
 from __future__ import annotations
@@ -25,326 +28,204 @@ import _common as common
 import _harness as harness
 from _harness import Timed, loop
 
-PLAIN = "plain pair (bnb 0.49)"
+BASELINE = "bnb 0.50 pairs"
 GATE = "gate (bnb-gc-fix)"
+FLOOR = "bnb 0.50 pairs, a second module (noise floor)"
+PLAIN = "bnb 0.49 plain pairs (reference)"
+#: Each configuration's hooks (``common.quantized``); timed in this order, reversed every other round.
+HOOKS = {BASELINE: common.PAIRS_050, GATE: common.GATED, FLOOR: common.PAIRS_050, PLAIN: common.PAIRS_049}
+GOAL = 1.00  # no slower than bitsandbytes 0.50's own pairs
+NAMES = ("gate_up_proj", "down_proj")  # transformers 5's fused experts
+EXPERTS, HIDDEN, INTERMEDIATE, TOKENS = 8, 64, 64, 8
 
 
-def _goal(
-    result: dict[str, Any], name: str, label: str, goal: float, floor: str | None = None
-) -> dict[str, Any]:
-    """Add the case's figure (``name``'s ratio), its goal, whether it is met, and how it reads (against the
-    noise floor ``floor``, or with none against 1)."""
-    by_round = result["ns_per_call_by_round"]
-    baseline = by_round[result["baseline"]]
-    comparison = harness.compare(
-        by_round[name], baseline, floor=by_round[floor] if floor else None, goal=goal
-    )
-    result["ratio"] = comparison.ratio.median
-    result["goal"] = f"{label} <= {goal:.2f}"
-    result["met"] = comparison.met
-    result["result"] = comparison.verdict
-    return result
-
-
-def _passthrough(parameters: tuple[str, ...]) -> Any:
-    """A module with tiny ``parameters`` whose forward returns its input: the hooks are the work."""
-    import torch
-
-    class Passthrough(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            for name in parameters:
-                self.register_parameter(name, torch.nn.Parameter(torch.zeros(1), requires_grad=False))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x
-
-    return Passthrough()
-
-
-def _registered(register: Callable[..., None], parameters: tuple[str, ...], gated: bool = False) -> Any:
-    from bnb_gc_fix import hooks
-
-    module = _passthrough(parameters)
-    for name in parameters:
-        register(module, name)
-    if gated:
-        assert hooks.install(module) and len(module._forward_pre_hooks) == 1
-    return module
-
-
-def hooks_alone(calls: int, rounds: int) -> dict[str, Any]:
-    """Case 1: no hooks, the plain pair, upstream 0.50's pair and the gate on a passthrough module."""
-    import torch
-
-    register_plain = common.unpatched_bitsandbytes()
-    register_upstream, _ = common.upstream_hooks()
-    modules = {
-        "no hooks": _passthrough(("weight",)),
-        PLAIN: _registered(register_plain, ("weight",)),
-        "upstream 0.50 pair": _registered(register_upstream, ("weight",)),
-        GATE: _registered(register_plain, ("weight",), gated=True),
-    }
-    x = torch.zeros(1)
-    result = harness.blocks(
-        {name: loop(partial(module, x)) for name, module in modules.items()}, calls, rounds, PLAIN
-    )
-    median = result["median_ns_per_call"]
-    overhead = {name: value - median["no hooks"] for name, value in median.items() if name != "no hooks"}
-    result["hook_overhead_ns"] = overhead
-    result["hook_overhead_ratio_gate_over_plain"] = overhead[GATE] / overhead[PLAIN]
-    return _goal(result, GATE, "gate / plain pair", 1.10)
-
-
-def two_pairs_alone(calls: int, rounds: int) -> dict[str, Any]:
-    """Case 1b: two parameters, two plain pairs (what bnb registers) against one gate."""
-    import torch
-
-    register_plain = common.unpatched_bitsandbytes()
-    plain = _registered(register_plain, ("scale", "shift"))
-    gated = _registered(register_plain, ("scale", "shift"), gated=True)
-    x = torch.zeros(1)
-    configs = {
-        "two plain pairs (bnb 0.49)": loop(partial(plain, x)),
-        "one gate (bnb-gc-fix)": loop(partial(gated, x)),
-    }
-    result = harness.blocks(configs, calls, rounds, baseline="two plain pairs (bnb 0.49)")
-    result["ratio"] = result["ratio_to_baseline"]["one gate (bnb-gc-fix)"]["median"]
-    return result
-
-
-def _two_quantized_module(numel: int, gated: bool) -> Any:
-    """Two parameters quantized by ``replace_parameter_4bit``, both used by the forward."""
-    import torch
-
-    class TwoQuantized(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            generator = torch.Generator().manual_seed(0)
-            self.scale = torch.nn.Parameter(torch.randn(numel, generator=generator), requires_grad=False)
-            self.shift = torch.nn.Parameter(torch.randn(numel, generator=generator), requires_grad=False)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return x * self.scale + self.shift
-
-    module = common.quantized(TwoQuantized(), gated, names=("scale", "shift"))
-    assert len(module._forward_pre_hooks) == (1 if gated else 2)
-    return module
-
-
-def two_quantized(calls: int, rounds: int, numel: int = 64) -> dict[str, Any]:
-    """Case 2: two 4-bit parameters; two modules per configuration, so module-to-module noise shows."""
-    import torch
-
-    common.unpatched_bitsandbytes()
-    names = ("plain A", "gate A", "plain B", "gate B")
-    modules = {name: _two_quantized_module(numel, gated=name.startswith("gate")) for name in names}
-    x = torch.ones(numel)
-    common.same_outputs(modules, x)
-    with torch.no_grad():
-        raw = harness.blocks(
-            {name: loop(partial(module, x)) for name, module in modules.items()}, calls, rounds, "plain A"
-        )
-    by_round = raw["ns_per_call_by_round"]
-    plain_ns = [a + b for a, b in zip(by_round["plain A"], by_round["plain B"])]
-    gate_ns = [a + b for a, b in zip(by_round["gate A"], by_round["gate B"])]
-    comparison = harness.compare(gate_ns, plain_ns, floor=None, goal=1.00)
-    control = harness.ratios(by_round["plain B"], by_round["plain A"])
-    return {
-        "calls_per_block": calls,
-        "rounds": rounds,
-        "baseline": "two plain pairs (bnb 0.49)",
-        "modules_per_configuration": 2,
-        "numel_per_parameter": numel,
-        "median_ns_per_call": {
-            "two plain pairs (bnb 0.49)": harness.median(plain_ns) / 2,
-            "one gate (bnb-gc-fix)": harness.median(gate_ns) / 2,
-        },
-        "ratio_to_baseline": {"one gate (bnb-gc-fix)": comparison.ratio.record()},
-        "control_plain_B_over_plain_A": harness.median(control),
-        "noise_floor": harness.Spread.of(control).record(),
-        "raw": raw,
-        "goal": "gate / two plain pairs <= 1.00",
-        "ratio": comparison.ratio.median,
-        "met": comparison.met,
-        "result": harness.verdict(comparison.ratio, harness.Spread.of(control)),
-    }
-
-
-def hooks_direct(calls: int, rounds: int) -> dict[str, Any]:
-    """Case 3: the hook bodies called back to back, no module call."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-    import torch
-
-    from bnb_gc_fix import gate
-
-    enable = bnb_parametrize._enable_parametrization_cache
-    disable = bnb_parametrize._disable_parametrization_cache
-    disable = getattr(disable, "__wrapped__", disable)
-    _, upstream_disable = common.upstream_hooks()
-    gate_enter, gate_leave = gate.new_hooks(
-        "bitsandbytes.nn.parametrize:_enable_parametrization_cache",
-        "bitsandbytes.nn.parametrize:_disable_parametrization_cache",
-    )
-    pairs = {
-        "plain enable+disable": (enable, disable),
-        "upstream enable+disable": (enable, upstream_disable),
-        "gate enter+exit": (gate_enter, gate_leave),
-    }
-    module = torch.nn.Module()
-    args = (torch.zeros(1),)
-    configs = {name: loop(_hook_pair(enter, leave, module, args)) for name, (enter, leave) in pairs.items()}
-    result = harness.blocks(configs, calls, rounds, baseline="plain enable+disable")
-    result["note"] = "one pre-hook call and one forward-hook call per iteration, no module call"
-    return result
-
-
-def _hook_pair(
-    enter: Callable[..., None], leave: Callable[..., None], module: Any, args: Any
-) -> Callable[[], None]:
-    def call() -> None:
-        enter(module, args)  # the gate's pre-hook records this frame as its hold's call
-        leave(module, args, args[0])
-
-    return call
-
-
-def experts_model(layers: int, gated: bool) -> Any:
-    """Case 4's model: ``layers`` 4-bit expert stacks in a row."""
+def experts_module(hooks: str) -> Any:
+    """A MoE experts module, transformers 5's fused layout (``gate_up_proj`` [experts, 2 x intermediate,
+    hidden], ``down_proj`` [experts, hidden, intermediate]), both quantized by ``replace_parameter_4bit``
+    (nf4) with ``hooks``; every token goes through every expert (dense), so the forward uses both."""
     import torch
 
     class Experts(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             generator = torch.Generator().manual_seed(0)
-            self.weight = torch.nn.Parameter(torch.randn(8, 128, 128, generator=generator) * 0.05)
+            gate_up = torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, generator=generator) * 0.05
+            down = torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, generator=generator) * 0.05
+            self.gate_up_proj = torch.nn.Parameter(gate_up)
+            self.down_proj = torch.nn.Parameter(down)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.einsum("td,ehd->th", x, self.weight).tanh()
+            gate, up = torch.einsum("th,eoh->eto", x, self.gate_up_proj).chunk(2, dim=-1)
+            return torch.einsum("eti,ehi->th", torch.nn.functional.silu(gate) * up, self.down_proj)
 
-    model = torch.nn.Sequential(*(common.quantized(Experts(), gated) for _ in range(layers)))
-    return model.requires_grad_(False)
+    return common.quantized(Experts(), hooks, NAMES)
 
 
-def self_calling(gated: bool, chunks: int) -> Any:
-    """Case 5's module: it splits its batch by calling itself on each of ``chunks`` chunks."""
+def experts_modules() -> dict[str, Any]:
+    return {name: experts_module(hooks) for name, hooks in HOOKS.items()}
+
+
+def _case(result: dict[str, Any]) -> dict[str, Any]:
+    """Add the gate's reading against the baseline, with the floor's spread and the goal."""
+    by_round = result["ns_per_call_by_round"]
+    comparison = harness.compare(by_round[GATE], by_round[BASELINE], floor=by_round[FLOOR], goal=GOAL)
+    result["gate_over_baseline"] = comparison.record()
+    return result
+
+
+def _hook_bodies(module: Any) -> Callable[[], None]:
+    """One forward's hooks of ``module``, called as torch calls them (pre-hooks, then forward hooks, each
+    in order), without the module call: 0.50's two enable and two disable hooks, or the gate's two."""
+    pre_hooks = tuple(module._forward_pre_hooks.values())
+    forward_hooks = tuple(module._forward_hooks.values())
+    args = (None,)
+    output = None
+
+    def call() -> None:
+        for hook in pre_hooks:
+            hook(module, args)
+        for hook in forward_hooks:
+            hook(module, args, output)
+
+    return call
+
+
+def hook_bodies(calls: int, rounds: int) -> dict[str, Any]:
+    """Case a: the hook bodies of the experts module, called directly."""
+    modules = experts_modules()
+    configs = {name: loop(_hook_bodies(module)) for name, module in modules.items()}
+    result = harness.blocks(configs, calls, rounds, BASELINE)
+    result["hooks_per_forward"] = {
+        name: [len(module._forward_pre_hooks), len(module._forward_hooks)] for name, module in modules.items()
+    }
+    return _case(result)
+
+
+def hooks_through_call(calls: int, rounds: int) -> dict[str, Any]:
+    """Case a2: the experts module's hooks through torch's module call, its forward replaced by one that
+    returns its input (torch's dispatch of the hooks, always-called ones included, is the work)."""
     import torch
 
-    class Chunked(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            generator = torch.Generator().manual_seed(0)
-            self.weight = torch.nn.Parameter(torch.randn(64, 64, generator=generator) * 0.05)
-
-        def forward(self, x: torch.Tensor, whole: bool = True) -> torch.Tensor:
-            if whole:  # split the batch and call itself on each chunk, as memory-bound code does
-                return torch.cat([self(chunk, whole=False) for chunk in x.chunk(chunks)])
-            return x @ self.weight.t()
-
-    return common.quantized(Chunked(), gated)
+    modules = experts_modules()
+    for module in modules.values():
+        module.forward = _passthrough
+    x = torch.zeros(1)
+    configs = {name: loop(partial(module, x)) for name, module in modules.items()}
+    return _case(harness.blocks(configs, calls, rounds, BASELINE))
 
 
-def _under_frames(depth: int, call: Callable[[], Any]) -> Any:
-    return call() if depth == 0 else _under_frames(depth - 1, call)
+def _passthrough(x: Any) -> Any:
+    return x
 
 
-def _served(model: Any, x: Any, threads: int) -> Timed:
-    """A block in which each of ``threads`` threads runs ``n`` no-grad forwards under 30 caller frames."""
+def forward_one_thread(calls: int, rounds: int) -> dict[str, Any]:
+    """Case b: a real no-grad 4-bit forward of the experts module (both parameters dequantized), one
+    thread; dequantizations per forward counted for each configuration."""
     import torch
 
-    def timed(n: int) -> int:
-        barrier = threading.Barrier(threads + 1)
+    modules = experts_modules()
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        common.same_outputs(modules, x)
+        counted = {name: common.dequantizations(model, partial(model, x)) for name, model in modules.items()}
+        configs = {name: loop(partial(module, x)) for name, module in modules.items()}
+        result = harness.blocks(configs, calls, rounds, BASELINE)
+    result["dequantizations_per_forward"] = counted
+    return _case(result)
 
-        def work() -> None:
-            barrier.wait()
-            with torch.no_grad():
-                for _ in range(n):
-                    _under_frames(30, partial(model, x))  # a server's call depth
 
-        pool = [threading.Thread(target=work) for _ in range(threads)]
-        for thread in pool:
+class _Pool:
+    """``threads`` threads that stay up for the whole case (a server's pool): each block, every one runs
+    ``n`` no-grad forwards of ``module``; the block's time is the wall time from the start to the last
+    one done."""
+
+    def __init__(self, module: Any, x: Any, threads: int) -> None:
+        self.module, self.x, self.n = module, x, 0
+        self.start = threading.Barrier(threads + 1)
+        self.done = threading.Barrier(threads + 1)
+        self.stopping = False
+        self.threads = [threading.Thread(target=self._serve, daemon=True) for _ in range(threads)]
+        for thread in self.threads:
             thread.start()
-        barrier.wait()
+
+    def _serve(self) -> None:
+        import torch
+
+        while True:
+            self.start.wait()
+            if self.stopping:
+                return
+            with torch.no_grad():
+                for _ in range(self.n):
+                    self.module(self.x)
+            self.done.wait()
+
+    def timed(self, n: int) -> int:
+        self.n = n
         started = time.perf_counter_ns()
-        for thread in pool:
-            thread.join()
+        self.start.wait()
+        self.done.wait()
         return time.perf_counter_ns() - started
 
-    return timed
+    def close(self) -> None:
+        self.stopping = True
+        self.start.wait()
+        for thread in self.threads:
+            thread.join()
 
 
-def threads_case(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
-    """Case 4: one model served by ``threads`` threads at once, plain pairs against gates."""
+def served(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
+    """Case c: the experts module served from ``threads`` threads at once."""
     import torch
 
-    common.unpatched_bitsandbytes()
-    x = torch.randn(32, 128)
-    floor = "plain pairs, a second model (noise floor)"
-    models = {
-        "plain pairs (bnb 0.49)": experts_model(6, False),
-        "gates (bnb-gc-fix)": experts_model(6, True),
-        floor: experts_model(6, False),
-    }
-    configs = {name: _served(model, x, threads) for name, model in models.items()}
-    result = harness.blocks(configs, forwards, rounds, "plain pairs (bnb 0.49)")
-    common.same_outputs(models, x)
-    result["threads"] = threads
-    result["note"] = "wall time of a block in which every thread runs calls_per_block forwards, per forward"
-    return _goal(result, "gates (bnb-gc-fix)", "gates / plain pairs", 1.05, floor=floor)
-
-
-def self_calls(calls: int, rounds: int, chunks: int = 128, depth: int = 100) -> dict[str, Any]:
-    """Case 5: a module calling itself ``chunks`` times a forward, under ``depth`` caller frames."""
-    import torch
-
-    common.unpatched_bitsandbytes()
-    x = torch.randn(chunks * 2, 64)
-    floor = "plain pair, a second module (noise floor)"
-    modules = {
-        PLAIN: self_calling(False, chunks),
-        GATE: self_calling(True, chunks),
-        floor: self_calling(False, chunks),
-    }
+    modules = experts_modules()
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
     common.same_outputs(modules, x)
-    configs = {
-        name: loop(partial(_under_frames, depth, partial(module, x))) for name, module in modules.items()
-    }
-    with torch.no_grad():
-        result = harness.blocks(configs, calls, rounds, PLAIN)
-    result["chunks"] = chunks
-    result["caller_frames"] = depth
-    return _goal(result, GATE, "gate / plain pair", 1.05, floor=floor)
+    pools = {name: _Pool(module, x, threads) for name, module in modules.items()}
+    try:
+        configs: dict[str, Timed] = {name: pool.timed for name, pool in pools.items()}
+        result = harness.blocks(configs, forwards, rounds, BASELINE)
+    finally:
+        for pool in pools.values():
+            pool.close()
+    result["threads"] = threads
+    result["note"] = (
+        "wall time of a block in which every thread runs calls_per_block forwards, per calls_per_block "
+        "(so per forward of one thread)"
+    )
+    return _case(result)
 
 
 TITLES = {
-    "hooks_alone": "Hooks alone (forward returns its input)",
-    "two_pairs_alone": "Two parameters' hooks alone (forward returns its input)",
-    "two_quantized": "Two 4-bit parameters, forward uses both",
-    "hooks_direct": "Hook bodies called directly",
-    "threads_8": "8 threads serving one 6-layer model of 4-bit experts (no-grad forwards)",
-    "threads_1": "The same model, 1 thread",
-    "self_calls": "A 4-bit module calling itself (128 chunks a forward) under 100 caller frames",
+    "hook_bodies": "a. Hook bodies called directly (0.50: two enable, two disable hooks; gate: enter, leave)",
+    "hooks_through_call": "a2. The same hooks through torch's module call, forward returns its input",
+    "forward_1_thread": "b. A real 4-bit forward of the experts module, 1 thread",
+    "forward_8_threads": "c. The same module served from 8 threads",
 }
 
 
 def _case_markdown(title: str, case: dict[str, Any]) -> list[str]:
-    baseline = case["baseline"]
     rows = []
     for name, value in case["median_ns_per_call"].items():
-        ratio = "baseline" if name == baseline else harness.Spread(**case["ratio_to_baseline"][name]).text()
-        rows.append([name, f"{value / 1e3:.2f} µs", ratio])
-    header = ["configuration", "median per call", "ratio to baseline (median of rounds)"]
+        ratio = "baseline" if name == BASELINE else harness.Spread(**case["ratio_to_baseline"][name]).text()
+        rows.append([name, f"{value / 1e3:.3f} µs", ratio])
+    header = ["configuration", "median per call", "ratio to 0.50 pairs: median of rounds (IQR)"]
     lines = [f"**{title}**, {case['rounds']} rounds of {case['calls_per_block']:,} calls", ""]
     lines += harness.table(header, rows)
-    if "control_plain_B_over_plain_A" in case:
-        control = case["control_plain_B_over_plain_A"]
-        lines += [
-            "",
-            f"Control, two identically built plain modules B / A: {control:.3f}x (this case's noise floor).",
-        ]
-    if "goal" in case:
-        met = "met" if case["met"] else "NOT met"
-        lines += ["", f"Goal {case['goal']}: {met} ({case['ratio']:.3f}x); result: **{case['result']}**."]
+    comparison = case["gate_over_baseline"]
+    met = "met" if comparison["met"] else "NOT met"
+    ratio = harness.Spread(**comparison["ratio"]).text()
+    floor = harness.Spread(**comparison["noise_floor"]).text()
+    lines += [
+        "",
+        f"Gate / 0.50 pairs {ratio}; noise floor {floor}; result: **{comparison['result']}**; "
+        f"goal {comparison['goal']}: {met}.",
+    ]
+    if "threads" in case:
+        lines += ["", f"A call: {case['threads']} threads each running one forward, all at once (wall time)."]
+    if "dequantizations_per_forward" in case:
+        counted = ", ".join(f"{name} {count}" for name, count in case["dequantizations_per_forward"].items())
+        lines += ["", f"Dequantizations per forward: {counted}."]
     return [*lines, ""]
 
 
@@ -363,26 +244,37 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
     rounds = 5 if args.quick else args.rounds
-    forwards = 20 // scale or 1
+    import warnings
+
     import torch
 
+    warnings.filterwarnings("ignore", category=FutureWarning)  # bitsandbytes' CPU backend, every call
     torch.set_num_threads(1)
+    common.unpatched_bitsandbytes()
     started = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "hotpath",
         "machine": harness.machine(),
         "method": (
             "same process, configurations timed in blocks of calls, block order alternating every "
-            "round, garbage collector off during blocks; ratio = median over rounds of block time / "
-            "baseline block time of the same round"
+            "round, garbage collector off during blocks, wall time; ratio = median over rounds of block "
+            "time / the 0.50 pairs' block time of the same round, with the interquartile range; noise "
+            "floor: a second 0.50-pairs module timed in the same rounds"
         ),
-        "hooks_alone": hooks_alone(2000 // scale, rounds),
-        "two_pairs_alone": two_pairs_alone(2000 // scale, rounds),
-        "two_quantized": two_quantized(20, 2 * rounds),
-        "hooks_direct": hooks_direct(10000 // scale, rounds),
-        "threads_8": threads_case(8, forwards, rounds),
-        "threads_1": threads_case(1, forwards, rounds),
-        "self_calls": self_calls(forwards, rounds),
+        "shape": {
+            "parameters": {
+                "gate_up_proj": [EXPERTS, 2 * INTERMEDIATE, HIDDEN],
+                "down_proj": [EXPERTS, HIDDEN, INTERMEDIATE],
+            },
+            "tokens": TOKENS,
+            "quant_type": "nf4",
+        },
+        "configurations": HOOKS,
+        "goal": f"gate / 0.50 pairs <= {GOAL:.2f}",
+        "hook_bodies": hook_bodies(10000 // scale, rounds),
+        "hooks_through_call": hooks_through_call(2000 // scale, rounds),
+        "forward_1_thread": forward_one_thread(200 // scale, rounds),
+        "forward_8_threads": served(8, 40 // scale, rounds),
     }
     result["wall_s"] = time.perf_counter() - started
     output = harness.output_path("hotpath.json", args.quick, args.output)

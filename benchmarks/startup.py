@@ -118,16 +118,16 @@ def _variant(source: Path, target: Path, pth: str) -> Path:
     shutil.copytree(source, target, symlinks=True)
     site_packages = target / SITE_PACKAGES
     (site_packages / "bnb_gc_fix.pth").write_text(pth + "\n")
-    for cached in (site_packages / "__pycache__").glob("_bnb_gc_fix_boot.*"):
+    for cached in (site_packages / "_bnb_gc_fix" / "__pycache__").glob("startup.*"):
         cached.unlink()
     return target / "bin" / "python"
 
 
 #: Candidate changes to the start-up hook, measured with --variants (the package is not changed).
 VARIANTS: dict[str, str] = {
-    "a plain `import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()` .pth line (not silent "
-    "when the boot module is missing)": "import _bnb_gc_fix_boot; _bnb_gc_fix_boot.install_quietly()",
-    "the .pth file alone (`import sys`), no boot module: the floor of any .pth hook": "import sys",
+    "a plain `import _bnb_gc_fix.startup; _bnb_gc_fix.startup.install_quietly()` .pth line (not silent "
+    "when the package is missing)": "import _bnb_gc_fix.startup; _bnb_gc_fix.startup.install_quietly()",
+    "the .pth file alone (`import sys`), no start-up module: the floor of any .pth hook": "import sys",
 }
 
 
