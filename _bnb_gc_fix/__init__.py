@@ -20,6 +20,9 @@ nothing at all, since neither ``typing`` nor ``dataclasses`` is loaded at start-
 # No `from __future__ import annotations`: the __future__ module is not loaded at start-up either.
 # Annotations that need it are quoted.
 
+#: The public package, which this one never imports at start-up: importing it turns the fix on.
+PUBLIC = "bnb_gc_fix"
+
 # --- the switch ----------------------------------------------------------------------------------
 VARIABLE = "BNB_GC_FIX"
 AUTO = "auto"
@@ -34,7 +37,8 @@ _SPELLINGS = {
     FORCE: ("force",),
 }
 _MODES = {spelling: mode for mode, spellings in _SPELLINGS.items() for spelling in spellings}
-ACCEPTED = "auto (or unset), 1/on/true/yes, 0/off/false/no, force"
+#: The accepted values, as a warning about an unknown one names them.
+ACCEPTED = ", ".join("/".join(word or "unset" for word in spellings) for spellings in _SPELLINGS.values())
 
 
 def parse(raw: "str | None") -> "tuple[str, bool]":
@@ -99,6 +103,11 @@ class Facts:
     @property
     def affected_range(self) -> str:
         return f"{self.first_affected} <= v < {self.first_fixed}"
+
+    @property
+    def functions(self) -> "tuple[str, str, str]":
+        """The functions of its module that the fix wraps: the register function and the pair's two."""
+        return (self.register, ENABLE_HOOK, DISABLE_HOOK)
 
 
 BITSANDBYTES = Facts(

@@ -27,7 +27,7 @@ CAUSE = (
     "usually a forward left by an exception that skipped the forward hook switching the cache off: "
     "non-reentrant activation checkpointing stopping its recompute early ("
     f"{_affected(words.BITSANDBYTES, 'replace_parameter_4bit')}; "
-    f"{_affected(words.AXOLOTL, 'replace_parameter_8bit')}), "
+    f"{_affected(words.AXOLOTL, words.AXOLOTL.register)}), "
     "or a KeyboardInterrupt (a notebook's stop button)"
 )
 
@@ -61,7 +61,7 @@ def give_back(count: int) -> None:
     module = parametrize()
     if module is None:
         return
-    remaining = module._cache_enabled - count  # no call before the write: the GIL never switches here
+    remaining = module._cache_enabled - count  # no call before the write (see bnb_gc_fix.gate.LeaveHook)
     if remaining > 0:
         module._cache_enabled = remaining
     else:

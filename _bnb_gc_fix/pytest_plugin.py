@@ -57,7 +57,7 @@ _PLUGIN_NAME = "bnb_gc_fix_parametrize_cache_check"
 _SESSION_END = "the end of the session"
 
 _CAUSE_NEGATIVE = (
-    "a hold given back twice: the cache-off hook (_disable_parametrization_cache) or a P.cached() exit ran "
+    f"a hold given back twice: the cache-off hook ({words.DISABLE_HOOK}) or a P.cached() exit ran "
     "without its matching enable; torch reads a negative counter as on and never empties the cache"
 )
 _CAUSE_CACHE = "the counter was put back to 0 without emptying P._cache"

@@ -12,8 +12,8 @@ The path from interpreter start to a gated module (``docs/how-it-works.md`` draw
    first on ``sys.meta_path``.
 2. For a watched module the watcher asks the finders after it and wraps the loader they return
    (:class:`WatchingLoader`). Once the module's code has run to its end, the loader imports the public
-   package from the folder this package was installed in (its last line activates the fix,
-   ``bnb_gc_fix/activation.py``) and tells activation, which decides (``decide.py``) and patches
+   package, the one installed beside this package (its last line activates the fix,
+   ``bnb_gc_fix/activation.py``), and tells activation, which decides (``decide.py``) and patches
    (``patch.py``).
 3. Every module quantized from then on gets a gate (``hooks.py`` puts it in place of the plain pair,
    ``gate.py`` is the gate).
@@ -35,45 +35,36 @@ if TYPE_CHECKING:
     from typing import Any
 
 #: The folder this package was installed in (site-packages), where the public package lives beside it.
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PUBLIC = "bnb_gc_fix"
+INSTALL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: Which start-up path ran in this process (a ``words.VIA_*`` value), whether or not ``BNB_GC_FIX``
 #: then switched the fix off; None when neither ran.
 started_by: "str | None" = None
-#: The start-up path that imported the public package to turn the fix on; None while none has (then a
-#: later import of the package is the user's own).
+#: The start-up path that imports, or imported, the public package to turn the fix on; None while none
+#: has (then an import of the package is the user's own).
 activated_by: "str | None" = None
 #: The watched modules whose code a watcher's loader is running right now.
 executing: "set[str]" = set()
 
 
 def import_public() -> "ModuleType":
-    """The public package from :data:`HERE`, never a same-named module earlier on ``sys.path`` (a
-    ``bnb_gc_fix.py`` in the working directory, say). One already imported is returned as it is.
+    """The public package, imported through the import system (so another thread importing it at the
+    same moment waits for it to be whole). While a start-up path imports it, the watchers answer for it
+    from :data:`INSTALL_DIR`, so a same-named module earlier on ``sys.path`` (a ``bnb_gc_fix.py`` in the
+    working directory) never runs."""
+    import importlib
 
-    This is importlib's own recipe for importing from a given place: find the spec, make the module,
-    put it in ``sys.modules``, execute it, and take it (and any of its submodules) out again if that
-    raises.
-    """
-    imported = sys.modules.get(PUBLIC)
-    if imported is not None:
-        return imported
-    import importlib.util
+    return importlib.import_module(words.PUBLIC)
+
+
+def _installed_public_spec() -> "ModuleSpec":
+    """The public package's spec in :data:`INSTALL_DIR`; it is not there: a broken install."""
     from importlib.machinery import PathFinder
 
-    spec = PathFinder.find_spec(PUBLIC, [HERE])
-    if spec is None or spec.loader is None:
-        raise ImportError(f"{PUBLIC} is not installed in {HERE}", name=PUBLIC)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[PUBLIC] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        for name in [key for key in sys.modules if key == PUBLIC or key.startswith(PUBLIC + ".")]:
-            sys.modules.pop(name, None)
-        raise
-    return sys.modules[PUBLIC]
+    spec = PathFinder.find_spec(words.PUBLIC, [INSTALL_DIR])
+    if spec is None:
+        raise ModuleNotFoundError(f"{words.PUBLIC} is not installed in {INSTALL_DIR}", name=words.PUBLIC)
+    return spec
 
 
 def is_watcher(finder: object) -> bool:
@@ -82,7 +73,8 @@ def is_watcher(finder: object) -> bool:
 
 
 class Watcher:
-    """A meta-path finder that changes neither what an import finds nor ``sys.meta_path``.
+    """A meta-path finder that changes neither what an import finds (but that, while a start-up path
+    imports the public package, it finds the one installed beside this package) nor ``sys.meta_path``.
 
     For a watched module it asks the finders after it, as the import system would, and returns their
     spec with its loader wrapped (:class:`WatchingLoader`). The fix turns on when that loader has
@@ -99,6 +91,8 @@ class Watcher:
     def find_spec(
         self, fullname: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
     ) -> "ModuleSpec | None":
+        if fullname == words.PUBLIC and activated_by is not None:
+            return _installed_public_spec()
         if fullname not in words.WATCHED:
             return None
         try:
@@ -119,8 +113,8 @@ class Watcher:
         later = finders[finders.index(self) + 1 :] if self in finders else []
         for finder in later:
             find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
+            if find_spec is None:  # a legacy finder: the import system asks it in its own way
+                return None
             spec: ModuleSpec | None = find_spec(fullname, path, target)
             if spec is not None:
                 return spec
@@ -128,18 +122,19 @@ class Watcher:
 
     def imported(self, name: str) -> None:
         """The watched module ``name`` has run to its end: turn the fix on if no one has (the public
-        package's import does), and let activation patch the module. Never raises into the importer:
-        a broken install must never break the user's import."""
+        package's import does), unless ``BNB_GC_FIX`` switches it off now, and let activation patch the
+        module. Never raises into the importer: a broken install must never break the user's import."""
         global activated_by
+        if words.PUBLIC not in sys.modules and _switched_off():
+            return
         try:
-            if PUBLIC not in sys.modules and self.via is not None:
+            if activated_by is None and words.PUBLIC not in sys.modules:
                 activated_by = self.via  # read by the package's activation, during the import below
-                import_public()
-            activation = sys.modules.get(PUBLIC + ".activation")
-            if activation is not None:
-                activation.on_imported(name)
+            import_public()
+            activation = sys.modules[words.PUBLIC + ".activation"]
+            activation.on_imported(name)
         except Exception:  # a broken install: the module imports as if we were not here
-            if PUBLIC not in sys.modules:
+            if words.PUBLIC not in sys.modules:
                 activated_by = None  # nothing was turned on: a later `import bnb_gc_fix` is the user's
 
 
@@ -184,6 +179,11 @@ class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, a
             module.__loader__ = self.loader
 
 
+def _switched_off() -> bool:
+    mode, _ = words.parse(os.environ.get(words.VARIABLE))
+    return mode == words.OFF
+
+
 def installed_watcher() -> "Watcher | None":
     """The start-up hook's or the runner's watcher on ``sys.meta_path``, if one was installed."""
     for finder in sys.meta_path:
@@ -206,8 +206,7 @@ def install(via: str = words.VIA_STARTUP_HOOK) -> bool:
     already). Returns False when ``BNB_GC_FIX`` switches the fix off. Safe to call more than once."""
     global started_by
     started_by = via
-    mode, _ = words.parse(os.environ.get(words.VARIABLE))
-    if mode == words.OFF:
+    if _switched_off():
         return False
     if installed_watcher() is not None:
         return True

@@ -24,6 +24,7 @@ from bnb_gc_fix.errors import (
     PatchSkippedWarning,
     SwitchValueWarning,
 )
+from bnb_gc_fix.errors import logger as _logger
 from bnb_gc_fix.guard import guard
 from bnb_gc_fix.status import LibraryStatus, Status, status  # `status` is the function, not the module
 
@@ -47,7 +48,7 @@ __all__ = [
     "status",
 ]
 
-logging.getLogger("bnb_gc_fix").addHandler(logging.NullHandler())
+_logger.addHandler(logging.NullHandler())
 
 
 def activate() -> Status:

@@ -15,29 +15,27 @@ import logging
 import os
 import sys
 import threading
-import warnings
 import weakref
 from types import ModuleType
 
 import _bnb_gc_fix as words
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Facts, startup
 from bnb_gc_fix import decide, installed, notebook
-from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning
-
-logger = logging.getLogger("bnb_gc_fix")
+from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn
 
 
 class State(enum.Enum):
     """Where one library stands; the value is the word ``status()`` reports (``_bnb_gc_fix`` says
-    what each means)."""
+    what each means). Listed worst first: where several libraries are imported, ``status()`` reports
+    the worst, so a library left unprotected is never hidden by another one patched."""
 
-    PATCHED = words.PATCHED
     UNPATCHED = words.UNPATCHED
-    ARMED = words.ARMED
-    NOT_INSTALLED = words.NOT_INSTALLED
-    NOT_NEEDED = words.NOT_NEEDED
-    OFF = words.OFF
     SKIPPED = words.SKIPPED
+    OFF = words.OFF
+    PATCHED = words.PATCHED
+    ARMED = words.ARMED
+    NOT_NEEDED = words.NOT_NEEDED
+    NOT_INSTALLED = words.NOT_INSTALLED
 
 
 class Library:
@@ -88,7 +86,7 @@ class Library:
 
     def now(self) -> tuple[State, str]:
         """The state and its sentence as this process shows them right now: the recorded state,
-        unless what it promised no longer holds (a reload undid the patch; what an armed library
+        unless what it promised no longer holds (the patch was undone since; what armed bitsandbytes
         waits for is not installed, fails to import, or will never come)."""
         if self.state is State.PATCHED and not self.applied():
             return State.UNPATCHED, _UNPATCHED.format(module=self.facts.module)
@@ -152,35 +150,13 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_renew_lock)
 
 
-# --- warnings at the user's line ---------------------------------------------------------------------
-_OUR_FOLDERS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(words.__file__)) + os.sep,
-)
-
-
-def _is_our_file(filename: str) -> bool:
-    path = filename if filename.startswith("<") else os.path.abspath(filename)
-    return path.startswith(_OUR_FOLDERS)
-
-
-def _is_import_machinery(filename: str) -> bool:
-    return "importlib" in filename and "_bootstrap" in filename
-
-
 def _warn(message: str, category: type[Warning]) -> None:
-    """Warn at the user's line: the first frame outside this package and the private one
-    (importlib's frames are skipped without counting, as ``warnings`` does)."""
-    level = 1
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not _is_import_machinery(filename):
-            level += 1
-            if not _is_our_file(filename):
-                break
-        frame = frame.f_back  # type: ignore[assignment]
-    warnings.warn(message, category, stacklevel=level)
+    """Warn at the user's line, and never raise: where warnings are errors (``-W error``), the message
+    goes to the log instead, since activation runs inside the user's import."""
+    try:
+        warn(message, category)
+    except Exception:
+        logger.warning("%s", message)
 
 
 def _skip(library: Library, reason: str) -> None:
@@ -192,11 +168,6 @@ def _skip(library: Library, reason: str) -> None:
 
 
 # --- patching one library ----------------------------------------------------------------------------
-def _initializing(module: ModuleType) -> bool:
-    """Whether ``module``'s import has not completed yet (the import system's own flag, read only)."""
-    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
-
-
 def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
     """Decide on an imported library module and patch it if needed (under the lock). ``late``: it was
     imported before the fix was activated, so modules registered by it before now keep the plain pair."""
@@ -206,7 +177,7 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
     if verdict.unexpected:
         _skip(library, verdict.decision)
         return
-    if not verdict.patch:
+    if not verdict.should_patch:
         library.set(State.NOT_NEEDED, verdict.decision)
         asked_for_it = process.mode == words.ON  # the user switched it on: say why nothing happened
         level = logging.INFO if asked_for_it else logging.DEBUG
@@ -224,27 +195,17 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
 
 
 def _armed_reason(facts: Facts) -> str:
+    when = ""
     if facts is BITSANDBYTES:
-        return (
-            f"armed: {facts.module} is not imported yet (bitsandbytes imports it when a model is "
-            "quantized, not at `import bitsandbytes`); the fix checks and patches it the moment it is"
-        )
-    return f"armed: {facts.module} is not imported yet; the fix checks and patches it the moment it is"
+        when = " (bitsandbytes imports it when a model is quantized, not at `import bitsandbytes`)"
+    return f"armed: {facts.module} is not imported yet{when}; the fix checks and patches it the moment it is"
 
 
 def _arm(library: Library) -> None:
     """Patch the library's module now if it is imported, else once a watcher has seen its import end
     (the one under way through a watcher's loader, or the next)."""
-    name = library.facts.module
-    module = sys.modules.get(name)
-    if module is not None and _initializing(module) and name not in startup.executing:
-        _skip(
-            library,
-            f"{name} was being imported when the fix was activated and that import cannot be "
-            "watched; nothing patched (call bnb_gc_fix.activate() once it is imported)",
-        )
-        return
-    if module is not None and name not in startup.executing:
+    module = library.module()
+    if module is not None and library.facts.module not in startup.executing:
         _apply(library, module, late=True)
         return
     library.set(State.ARMED, _armed_reason(library.facts))
@@ -311,7 +272,7 @@ def activate(*, via: str = words.VIA_ACTIVATE) -> None:
             if process.mode == words.OFF:
                 _switch_off()
                 return
-            if process.via is None or not on():
+            if process.via is None or not turned_on():  # what turned it on stays, while it stays on
                 process.via = via
             notebook.install()
             _arm_every_library()
@@ -341,7 +302,7 @@ def credit(via: str) -> None:
             process.via = via
 
 
-def on() -> bool:
+def turned_on() -> bool:
     """bitsandbytes is armed, or some library is patched right now (what ``status().via`` is
     reported for)."""
     armed = process.libraries[BITSANDBYTES.module].state is State.ARMED

@@ -44,7 +44,8 @@ def _imports() -> tuple[Any, Any]:
 
     torch, problem = try_import("torch")
     if torch is None:
-        do = "install torch (and bitsandbytes>=0.48)" if missing("torch") else "repair the torch installation"
+        install = f"install torch (and bitsandbytes>={BITSANDBYTES.first_affected})"
+        do = install if missing("torch") else "repair the torch installation"
         raise CannotRunError(f"{problem}; {do} to run the check")
     if torch_too_old(str(torch.__version__)):
         raise CannotRunError(
@@ -54,7 +55,9 @@ def _imports() -> tuple[Any, Any]:
     bitsandbytes, problem = try_import("bitsandbytes")
     if bitsandbytes is None:
         if missing("bitsandbytes"):
-            raise CannotRunError(f"{problem}; install bitsandbytes>=0.48 to run the check")
+            raise CannotRunError(
+                f"{problem}; install bitsandbytes>={BITSANDBYTES.first_affected} to run the check"
+            )
         raise CannotRunError(
             f"{problem}; this is a problem of the bitsandbytes installation (its CUDA libraries, "
             "for example), not the leak"

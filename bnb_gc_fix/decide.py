@@ -12,7 +12,6 @@ from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-import _bnb_gc_fix as words
 from _bnb_gc_fix import BITSANDBYTES, Facts
 
 FIRST_AFFECTED = Version(BITSANDBYTES.first_affected)
@@ -67,7 +66,8 @@ def before_parametrize(version: str) -> bool:
 
 
 def no_parametrize(version: str) -> str:
-    """Why a bitsandbytes before 0.48.0 needs nothing: the sentence status, CLI and check share."""
+    """Why a bitsandbytes before its first affected release needs nothing: the sentence status, CLI and
+    check share."""
     added = f"added in {FIRST_AFFECTED}"
     return f"bitsandbytes {version} has no {BITSANDBYTES.module} ({added}), so it cannot leak this way"
 
@@ -76,7 +76,7 @@ def no_parametrize(version: str) -> str:
 class Verdict:
     """What the decision found for one imported library module."""
 
-    patch: bool  # wrap its functions
+    should_patch: bool  # wrap its functions
     unexpected: bool  # its internals do not look as expected: nothing may be patched; the user is warned
     affected: bool | None  # its code registers the plain (leaking) pair; None: could not be told
     probe: str  # what the probe saw, in a few words
@@ -86,7 +86,7 @@ class Verdict:
     @property
     def decision(self) -> str:
         """The finding and what follows from it, then the advice."""
-        if self.patch:
+        if self.should_patch:
             return f"{self.reason}; patched"
         outcome = "nothing patched" if self.unexpected else "nothing to patch"
         if self.advice:
@@ -95,8 +95,8 @@ class Verdict:
 
 
 def _missing_function(library: Facts, module: ModuleType) -> str | None:
-    """What is missing of the three functions the patch wraps, if anything."""
-    for name in (library.register, words.ENABLE_HOOK, words.DISABLE_HOOK):
+    """What is missing of the functions the patch wraps, if anything."""
+    for name in library.functions:
         if not callable(getattr(module, name, None)):
             return f"{library.module} has no {name}()"
     return None
@@ -118,20 +118,22 @@ def probe(module: ModuleType, library: Facts) -> tuple[bool | None, str]:
     ``affected`` is None when the result is unexpected (whatever goes wrong is described, never
     raised) and False for upstream's fix.
     """
-    from bnb_gc_fix.hooks import cache_hooks  # imports torch, which the library's module has imported
+    from bnb_gc_fix import patch  # imports torch, which the library's module has imported
+    from bnb_gc_fix.hooks import cache_hooks
 
     register = getattr(module, library.register)
-    register = getattr(register, "__wrapped__", register)  # judge the library, not our wrapper
+    if patch.is_ours(register):
+        register = register.__wrapped__  # judge the library, not our wrapper
     try:
         probed = _probe_module()
         register(probed, "weight")
     except Exception as error:  # the probe must never break the user's import
         return None, f"registering hooks on a probe module raised {type(error).__name__}: {error}"
     found = cache_hooks(probed)  # type: ignore[arg-type]
-    if len(found.enables) != 1 or len(found.disables) != 1:
+    if len(found.enable_keys) != 1 or len(found.disable_keys) != 1:
         return None, (
-            f"the probe module got {len(found.enables)} enable and {len(found.disables)} disable cache "
-            "hooks instead of one of each"
+            f"the probe module got {len(found.enable_keys)} enable and {len(found.disable_keys)} disable "
+            "cache hooks instead of one of each"
         )
     if found.always_called:
         return False, "disable hook registered with always_call=True (upstream fix)"
@@ -148,7 +150,7 @@ def _range_text(library: Facts, by_version: bool | None) -> str:
 
 def _skipped(reason: str, affected: bool | None, probe: str = "not run") -> Verdict:
     """Nothing may be patched: the library does not look as expected (the user is warned)."""
-    return Verdict(patch=False, unexpected=True, affected=affected, probe=probe, reason=reason)
+    return Verdict(should_patch=False, unexpected=True, affected=affected, probe=probe, reason=reason)
 
 
 def judge(module: ModuleType, force: bool, library: Facts) -> Verdict:
@@ -171,7 +173,7 @@ def judge(module: ModuleType, force: bool, library: Facts) -> Verdict:
         return _skipped(f"{label} does not look as expected: {seen}", affected=None, probe=seen)
     if force and not affected:
         return Verdict(
-            patch=True,
+            should_patch=True,
             unexpected=False,
             affected=False,
             probe=seen,
@@ -183,14 +185,15 @@ def judge(module: ModuleType, force: bool, library: Facts) -> Verdict:
         reason = f"{label} {_range_text(library, by_version)}, but {found}, and the probe wins"
     else:
         reason = f"{label} {_range_text(library, by_version)} and {found}"
-    advice = NOT_NEEDED if library is BITSANDBYTES and not affected else ""
+    advice = UPSTREAM_FIXED_ADVICE if library is BITSANDBYTES and not affected else ""
     return Verdict(
-        patch=affected, unexpected=False, affected=affected, probe=seen, reason=reason, advice=advice
+        should_patch=affected, unexpected=False, affected=affected, probe=seen, reason=reason, advice=advice
     )
 
 
-NOT_NEEDED = (
-    "bnb-gc-fix is not needed with this bitsandbytes, except to release, at the end of a notebook cell, "
-    "the hold a Ctrl-C leaves (BNB_GC_FIX=force adds the gate's Ctrl-C healing everywhere); "
-    "pip uninstall bnb-gc-fix removes it"
+UPSTREAM_FIXED_ADVICE = (
+    "bnb-gc-fix is not needed with this bitsandbytes, except for what a Ctrl-C inside a forward leaves "
+    "switched on: pointed out at the end of a notebook cell, released with BNB_GC_FIX=force (the "
+    "package's hooks then take bitsandbytes' place) or bnb_gc_fix.reset(); pip uninstall bnb-gc-fix "
+    "removes it"
 )

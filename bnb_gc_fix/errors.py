@@ -1,6 +1,17 @@
-"""Warning and exception classes of bnb-gc-fix, so users can filter or catch exactly ours."""
+"""bnb-gc-fix's warning and exception classes, so users can filter or catch exactly its own; its logger;
+and how its warnings reach the user's line."""
 
 from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from types import FrameType
+
+import _bnb_gc_fix as words
+
+logger = logging.getLogger(words.PUBLIC)
 
 
 class BnbGcFixWarning(UserWarning):
@@ -26,3 +37,45 @@ class CacheLeakError(RuntimeError):
         super().__init__(message)
         self.released = released
         self.cached_bytes = cached_bytes
+
+
+_OUR_FOLDERS = (
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(words.__file__)) + os.sep,
+)
+
+
+def _is_our_file(filename: str) -> bool:
+    path = filename if filename.startswith("<") else os.path.abspath(filename)
+    return path.startswith(_OUR_FOLDERS)
+
+
+def _is_import_machinery(filename: str) -> bool:
+    return os.sep + "importlib" in filename or filename.startswith("<frozen importlib")
+
+
+def _users_frame() -> FrameType:
+    """The first frame, from :func:`warn`'s caller outwards, outside this package, the private one and
+    the import system (the outermost frame if there is none)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None:
+        filename = frame.f_code.co_filename
+        if not _is_import_machinery(filename) and not _is_our_file(filename):
+            break
+        frame = frame.f_back
+    return frame
+
+
+def warn(message: str, category: type[Warning], *, every_time: bool = False) -> None:
+    """Warn at the user's line. ``every_time``: shown at every call under Python's default filters,
+    which show a warning once per place and text (for a report that is news each time)."""
+    frame = _users_frame()
+    registry = None if every_time else frame.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        message,
+        category,
+        frame.f_code.co_filename,
+        frame.f_lineno,
+        module=frame.f_globals.get("__name__"),
+        registry=registry,
+    )

@@ -50,16 +50,6 @@ def _never_compiling() -> bool:  # a torch before torch.compiler.is_dynamo_compi
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 
-def _give_back_one() -> None:
-    """Give back one hold: the counter never goes below 0, and the cache is emptied at 0."""
-    remaining = P._cache_enabled - 1
-    if remaining > 0:
-        P._cache_enabled = remaining
-    else:
-        P._cache_enabled = 0
-        P._cache = {}
-
-
 # --- holds -------------------------------------------------------------------------------------------
 #: One thread's holds on one gate, outermost first: for each, the frame of the call that took it (None
 #: where torch.compile traced the pre-hook). A plain list: the hooks' hot path.
@@ -67,9 +57,9 @@ Holds = list[Optional[FrameType]]
 
 
 class ThreadHolds:
-    """One thread's holds on one gate, as :func:`every_holds` lists them. What is left in them when this
-    dies (with the thread's copy of the gate: its thread ended, or its module was collected) is given
-    back."""
+    """One thread's holds on one gate, as :func:`all_thread_holds` lists them. What is left in them
+    when this dies (with the thread's copy of the gate: its thread ended, or its module was collected)
+    is given back."""
 
     __slots__ = ("__weakref__", "holds", "thread")
 
@@ -82,20 +72,20 @@ class ThreadHolds:
             cache.give_back(len(self.holds))
 
 
-_EVERY_HOLDS: weakref.WeakSet[ThreadHolds] = weakref.WeakSet()  # every thread's holds on every gate
+_ALL_THREAD_HOLDS: weakref.WeakSet[ThreadHolds] = weakref.WeakSet()  # every thread's holds on every gate
 
 
-def every_holds() -> list[ThreadHolds]:
+def all_thread_holds() -> list[ThreadHolds]:
     """A snapshot of every thread's holds on every gate (another thread's first forward may add one
     while it is taken: then it is taken again)."""
     while True:
         with contextlib.suppress(RuntimeError):  # "Set changed size during iteration"
-            return list(_EVERY_HOLDS)
+            return list(_ALL_THREAD_HOLDS)
 
 
 def _forget_every_hold() -> None:
     """Every gate forgets its holds on every thread, giving nothing back (the counter was reset)."""
-    for thread_holds in every_holds():
+    for thread_holds in all_thread_holds():
         thread_holds.holds.clear()
 
 
@@ -111,7 +101,7 @@ def _stack(start: FrameType | None) -> Iterator[FrameType]:
         frame = frame.f_back
 
 
-def _on_stack(wanted: FrameType | None, start: FrameType) -> bool:
+def _on_stack(wanted: FrameType, start: FrameType) -> bool:
     """Whether ``wanted`` is ``start`` or a frame below it on this thread."""
     frame: FrameType | None = start
     while frame is not None:
@@ -141,11 +131,14 @@ def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
     holds without a frame are given back: nothing else can be read there.
     """
     if caller is None:
+        ended = 0
         while holds and holds[-1] is None:
-            _give_back_one()
             holds.pop()
+            ended += 1
+        cache.give_back(ended)
         return
-    if _on_stack(holds[-1], caller):
+    innermost = holds[-1]
+    if innermost is not None and _on_stack(innermost, caller):
         return
     ended = _forget_ended(holds, set(_stack(caller)))
     cache.give_back(ended)
@@ -158,7 +151,7 @@ def give_back_ended() -> int:
     stack = set(_stack(_frame(1)))
     me = threading.get_ident()
     released = 0
-    for thread_holds in every_holds():
+    for thread_holds in all_thread_holds():
         if thread_holds.thread == me:
             released += _forget_ended(thread_holds.holds, stack)
     cache.give_back(released)
@@ -172,7 +165,7 @@ class Gate(threading.local):
     def __init__(self) -> None:  # runs once in every thread that uses the gate, at its first use
         self.holds: Holds = []
         self.thread_holds = ThreadHolds(self.holds)
-        _EVERY_HOLDS.add(self.thread_holds)
+        _ALL_THREAD_HOLDS.add(self.thread_holds)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
         return Gate()  # a copied module gets a fresh gate: holds belong to live calls
@@ -215,8 +208,8 @@ class EnterHook(_Hook):
         caller = None if _compiling() else _frame(1)
         if holds:  # a re-entry: a self-call, or a hold a BaseException left
             _give_back_at_reentry(holds, caller)
+        P._cache_enabled += 1  # the counter first: a Ctrl-C in between can leave one, never take one
         holds.append(caller)
-        P._cache_enabled += 1
 
 
 class LeaveHook(_Hook):
@@ -226,9 +219,17 @@ class LeaveHook(_Hook):
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         holds = self.gate.holds
-        if holds:
-            _give_back_one()  # first: a fork in between gives it back twice (clamped), never leaks it
-            holds.pop()
+        if not holds:
+            return
+        holds.pop()
+        # cache.give_back(1) written out: a call costs time, and a run of bytecodes with no call in it
+        # is never cut by a switch to another thread (Python 3.10+), as in torch's own P.cached().
+        remaining = P._cache_enabled - 1
+        if remaining > 0:
+            P._cache_enabled = remaining
+        else:
+            P._cache_enabled = 0
+            P._cache = {}
 
 
 def enter_hook(module: torch.nn.Module) -> EnterHook | None:

@@ -3,29 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
-import warnings
+import threading
 from types import TracebackType
 
 from _bnb_gc_fix import cache
-from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning
-
-logger = logging.getLogger("bnb_gc_fix")
-
-
-def _warn_every_time(message: str, stacklevel: int) -> None:
-    """``warnings.warn(message, CacheLeakWarning, stacklevel)``, shown at every call under Python's
-    default filters: they show a warning once per place and text, and each leaking step is news."""
-    frame = sys._getframe(stacklevel)
-    warnings.warn_explicit(
-        message,
-        CacheLeakWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        module=frame.f_globals.get("__name__"),
-        registry=None,  # no record of what was shown here already
-    )
+from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
 
 
 def check_and_release(strict: bool = False, start: int = 0, where: str = "the step") -> int:
@@ -51,24 +33,34 @@ def check_and_release(strict: bool = False, start: int = 0, where: str = "the st
     logger.warning(message)
     if strict:
         raise CacheLeakError(message, found.released, found.cached_bytes)
-    _warn_every_time(message, stacklevel=3)
+    warn(message, CacheLeakWarning, every_time=True)
     return found.released
 
 
 class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: `with guard():`)
     """Around one training step (``with`` or decorator), outside torch.compile: ``guard()(compiled)``
     guards a compiled step. On exit, :func:`check_and_release` of what it added (``strict`` only when no
-    exception leaves the step)."""
+    exception leaves the step, which the guard's own report never replaces). One guard may serve
+    several threads at once (a decorated step)."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
-        self._starts: list[int] = []
+        self._threads = threading.local()  # each thread's counters at the entries it has not left
+
+    def _starts(self) -> list[int]:
+        starts: list[int] = self._threads.__dict__.setdefault("starts", [])
+        return starts
 
     def __enter__(self) -> guard:
-        self._starts.append(cache.counter())
+        self._starts().append(cache.counter())
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        check_and_release(strict=self.strict and exc_type is None, start=self._starts.pop())
+        start = self._starts().pop()
+        try:
+            check_and_release(strict=self.strict and exc_type is None, start=start)
+        except Exception:  # the report, as an error (-W error): never in place of the step's own
+            if exc_type is None:
+                raise

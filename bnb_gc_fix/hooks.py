@@ -30,16 +30,17 @@ def _named(hook: object, name: str) -> bool:
 
 @dataclass(frozen=True)
 class CacheHooks:
-    """The plain cache hooks on one module: their keys in its hook dictionaries, in order."""
+    """The cache pairs' hooks on one module (bitsandbytes' or a copy's, not a gate's): their keys in its
+    hook dictionaries, in order."""
 
-    enables: list[int]
-    disables: list[int]
+    enable_keys: list[int]
+    disable_keys: list[int]
     always_called: bool  # there are disable hooks, and every one runs even when the forward raises
 
     @property
     def upstream_fixed(self) -> bool:
         """Every enable hook has an always-called disable hook: bitsandbytes 0.50's pair."""
-        return self.always_called and len(self.disables) == len(self.enables)
+        return self.always_called and len(self.disable_keys) == len(self.enable_keys)
 
 
 def cache_hooks(module: torch.nn.Module) -> CacheHooks:
@@ -48,26 +49,27 @@ def cache_hooks(module: torch.nn.Module) -> CacheHooks:
     disables = [key for key, hook in module._forward_hooks.items() if _named(hook, words.DISABLE_HOOK)]
     always = module._forward_hooks_always_called
     always_called = bool(disables) and all(key in always for key in disables)
-    return CacheHooks(enables=enables, disables=disables, always_called=always_called)
+    return CacheHooks(enable_keys=enables, disable_keys=disables, always_called=always_called)
 
 
 class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
-    """``_forward_hooks_always_called`` of a module whose pair was plain, pickled without the gate's
-    entry, so that a module pickled with the gate loads as the pair it had. It stands in for torch's
-    dictionary only while that one is empty, so no handle torch gave out refers to an entry of it."""
+    """A gated module's ``_forward_hooks_always_called``, pickled without the gate's entry where the
+    pair it replaced was plain, so that a module pickled with the gate loads as the pair it had. It
+    stands in for torch's dictionary only while that one is empty, so no handle torch gave out refers to
+    an entry of it."""
 
-    __slots__ = ("plain",)
+    __slots__ = ("plain_key",)
 
-    def __init__(self, items: Any = (), plain: int | None = None) -> None:
+    def __init__(self, items: Any = (), plain_key: int | None = None) -> None:
         super().__init__(items)
-        self.plain = plain  # the gate's key, whose disable hook was plain
+        self.plain_key = plain_key  # the gate's key, where the disable hook it replaced was plain
 
     def __reduce__(self) -> tuple[Any, ...]:
-        kept = [(key, value) for key, value in self.items() if key != self.plain]
+        kept = [(key, value) for key, value in self.items() if key != self.plain_key]
         return (collections.OrderedDict, (kept,))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
-        return _AlwaysCalled(self.items(), self.plain)
+        return _AlwaysCalled(self.items(), self.plain_key)
 
 
 def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
@@ -101,9 +103,8 @@ def gate_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.LeaveHook]
 def _new_hooks(enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
     """A new gate's hooks, standing in for the enable function ``enable`` and the disable function of
     the same module."""
-    enable_reference = _reference(enable)
-    origin = enable_reference.split(":")[0]
-    return gate.new_hooks(enable_reference, f"{origin}:{words.DISABLE_HOOK}")
+    origin = getattr(enable, "__module__", "")
+    return gate.new_hooks(_reference(enable), f"{origin}:{words.DISABLE_HOOK}")
 
 
 def _put_enter_hook(module: torch.nn.Module, enables: list[int], enter: gate.EnterHook) -> None:
@@ -131,7 +132,9 @@ def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.Le
     always = _always_called(module)
     gates = [key for key, hook in post_hooks.items() if _is_gate_hook(hook)]
     # pickled without the gate's entry where the pair it replaces (or an earlier gate's) was plain
-    replaces_plain = any(key not in always for key in disables) or getattr(always, "plain", None) is not None
+    replaces_plain = (
+        any(key not in always for key in disables) or getattr(always, "plain_key", None) is not None
+    )
     if disables or gates:
         kept = _take_place(post_hooks, gates + disables, leave, first=False)
     else:  # an enable hook alone: the gate still needs its forward hook
@@ -141,7 +144,7 @@ def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.Le
         always.pop(key, None)
     always[kept] = True
     if isinstance(always, _AlwaysCalled):
-        always.plain = kept if replaces_plain else None
+        always.plain_key = kept if replaces_plain else None
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
@@ -152,14 +155,14 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
     whose pairs are right (bitsandbytes 0.50) unless ``replace_always_called`` (``BNB_GC_FIX=force``).
     """
     found = cache_hooks(module)
-    if not found.enables:
+    if not found.enable_keys:
         return False
     if found.upstream_fixed and not replace_always_called:
         return False
     pair = gate_hooks(module)
     if pair is None:
-        pair = _new_hooks(module._forward_pre_hooks[found.enables[0]])
+        pair = _new_hooks(module._forward_pre_hooks[found.enable_keys[0]])
     enter, leave = pair
-    _put_enter_hook(module, found.enables, enter)
-    _put_leave_hook(module, found.disables, leave)
+    _put_enter_hook(module, found.enable_keys, enter)
+    _put_leave_hook(module, found.disable_keys, leave)
     return True

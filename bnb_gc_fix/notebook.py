@@ -1,8 +1,10 @@
 """The cell-end release: in IPython and Jupyter, what a failed cell left switched on is released.
 
 A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, which skips its forward hooks.
-At each cell's end (IPython's callbacks; IPython is never imported), what a failed cell added and no
-running call owns is released, what a cell that succeeded holds is pointed out, a counter below 0 reset.
+At each cell's end (IPython's callbacks; IPython is never imported), what a failed cell left behind is
+given back as far as it is provably its own (:mod:`bnb_gc_fix.release`: a kernel always runs other
+threads, so a hold no gate accounts for is pointed out instead), what a cell that succeeded holds is
+pointed out, and a counter below 0 is put back to 0.
 """
 
 from __future__ import annotations
@@ -13,8 +15,7 @@ import sys
 from typing import Any
 
 from _bnb_gc_fix import cache
-
-logger = logging.getLogger("bnb_gc_fix")
+from bnb_gc_fix.errors import logger
 
 BEFORE = "pre_run_cell"  # IPython's event before each cell
 AFTER = "post_run_cell"  # and after it, with its result
@@ -38,21 +39,17 @@ def _running_shell() -> Any:
     return get_ipython()
 
 
-def install() -> bool:
-    """Register the callbacks with the running IPython shell, once. Returns whether they are registered."""
+def install() -> None:
+    """Register the callbacks with the running IPython shell, once (none: nothing to do)."""
     try:
         shell = _running_shell()
-        if getattr(shell, "events", None) is None:
-            return installed()
-        if _registration.shell is not shell:
+        if getattr(shell, "events", None) is not None and _registration.shell is not shell:
             remove()
             shell.events.register(BEFORE, _before_cell)
             shell.events.register(AFTER, _after_cell)
             _registration.shell = shell
-        return True
     except Exception as error:  # a shell we do not understand: the fix goes on without the release
         logger.debug("cell-end release not installed: %s: %s", type(error).__name__, error)
-        return installed()
 
 
 def remove() -> None:
@@ -64,7 +61,7 @@ def remove() -> None:
             shell.events.unregister(event, callback)
 
 
-def installed() -> bool:
+def registered() -> bool:
     """Whether the cell-end callback is registered with a shell right now."""
     try:
         return _after_cell in _registration.shell.events.callbacks[AFTER]

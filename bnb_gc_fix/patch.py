@@ -2,14 +2,14 @@
 
 * The registering function runs in full; then the plain pair it added is swapped for the gate.
 * The enable function, met as the pre-hook of a module still holding a plain pair (a module loaded
-  from a pickle, or quantized before the fix was active), turns that pair into the gate at its first
-  forward, and the gate takes that forward's hold.
+  from a pickle, whose hooks are the module's functions by name), turns that pair into the gate at its
+  first forward, and the gate takes that forward's hold. A module quantized before the fix was active
+  holds the library's own function objects, which no wrapper reaches: ``repair()`` is for those.
 * The disable function, called directly, never drives the counter below zero.
 """
 
 from __future__ import annotations
 
-import logging
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -19,46 +19,39 @@ import wrapt
 import _bnb_gc_fix as words
 from _bnb_gc_fix import cache
 from bnb_gc_fix import gate, hooks
+from bnb_gc_fix.errors import logger
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     _WrapperFunction = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], Any]
 
-logger = logging.getLogger("bnb_gc_fix")
-
 
 class _Wrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
     """Marks our wrappers, so applying twice wraps once and removing unwraps only ours."""
 
 
-def _gated_at_forward(module: object, replace_always_called: bool) -> bool:
-    """Called as the pre-hook of ``module``: turn its plain pairs into a gate.
+def _gate_takes_this_forward(module: object, replace_always_called: bool) -> bool:
+    """Called as the pre-hook of ``module``: turn its plain pairs into a gate, and say whether the
+    wrapped enable function must not take a hold (True) or run as it is (False: not a module, or
+    nothing of the gate's on it).
 
-    Returns True when the wrapped enable function must not take a hold: the gate took this forward's
-    (the module was converted just now), or the module was gated already. Then this call comes from a
-    plain pair registered beside the gate (``install`` folds it into the gate now; the gate's own
-    pre-hook, earlier in the same snapshot of pre-hooks, took the hold), or from the snapshot of
-    pre-hooks torch took before another pair of this module was converted in this forward (whose
-    conversion took the hold). False when it should run as it is: not a module, or nothing to convert.
-    Whether the module was gated is read before ``install`` changes it.
-
-    The conversion takes this forward's hold through the gate's pre-hook, which notes this function's
-    frame: it ends at once, so a self-call inside this one forward gives that hold back (one forward
-    that dequantizes more, never a leak).
+    A module gated already: this call comes from a plain pair registered beside the gate (``install``
+    folds it in now), or from the snapshot of pre-hooks torch took before the module was converted in
+    this forward; the hold was taken. A module gated just now, by this call or another thread's: the
+    gate takes this forward's hold, through its pre-hook, which notes this function's frame; that frame
+    ends at once, so a self-call inside this one forward gives the hold back (more dequantization in
+    that forward, never a leak).
     """
     if not isinstance(module, torch.nn.Module):
         return False
-    gated = gate.Gate.of(module) is not None
-    changed = hooks.install(module, replace_always_called)
-    if gated:
-        return True
-    if not changed:
-        return False
+    gated_before = gate.Gate.of(module) is not None
+    hooks.install(module, replace_always_called)
     enter = gate.enter_hook(module)
     if enter is None:
-        raise LookupError(f"no gate on {type(module).__name__} after installing one")
-    enter(module, ())
+        return False
+    if not gated_before:
+        enter(module, ())
     return True
 
 
@@ -68,7 +61,7 @@ def _clamped_disable(
     """A disable function that never goes below zero, and empties the cache at zero."""
     if cache.counter() > 0:
         return wrapped(*args, **kwargs)
-    cache.give_back(0)
+    cache.reset()  # nothing is held: back to zero, and the cache emptied
     return None
 
 
@@ -96,7 +89,7 @@ def _enable_wrapper(force: bool) -> _WrapperFunction:
         converted = False
         if args:
             try:
-                converted = _gated_at_forward(args[0], force)
+                converted = _gate_takes_this_forward(args[0], force)
             except Exception:  # never break the user's forward: the plain hook runs as it is
                 logger.exception("could not install the cache gate on %s", type(args[0]).__name__)
         if converted:
@@ -108,17 +101,18 @@ def _enable_wrapper(force: bool) -> _WrapperFunction:
 
 def _wrappers(library: words.Facts, force: bool) -> dict[str, _WrapperFunction]:
     """The wrapper function for each of the library's functions, by name."""
-    return {
-        library.register: _register_wrapper(force),
-        words.ENABLE_HOOK: _enable_wrapper(force),
-        words.DISABLE_HOOK: _clamped_disable,
-    }
+    register, enable, disable = library.functions
+    return {register: _register_wrapper(force), enable: _enable_wrapper(force), disable: _clamped_disable}
+
+
+def is_ours(function: object) -> bool:
+    """Whether ``function`` is one of the fix's wrappers (``__wrapped__`` is the library's own)."""
+    return isinstance(function, _Wrapper)
 
 
 def is_applied(module: ModuleType, library: words.Facts) -> bool:
     """Whether our wrappers are on the library's module right now."""
-    names = _wrappers(library, force=False)
-    return all(isinstance(getattr(module, name, None), _Wrapper) for name in names)
+    return all(is_ours(getattr(module, name, None)) for name in library.functions)
 
 
 def apply(module: ModuleType, library: words.Facts, replace_always_called: bool = False) -> None:
@@ -126,13 +120,13 @@ def apply(module: ModuleType, library: words.Facts, replace_always_called: bool 
     pairs whose disable hook is already always-called."""
     for name, wrapper in _wrappers(library, replace_always_called).items():
         current = getattr(module, name)
-        if not isinstance(current, _Wrapper):  # applying twice wraps once
+        if not is_ours(current):  # applying twice wraps once
             setattr(module, name, _Wrapper(current, wrapper))
 
 
 def remove(module: ModuleType, library: words.Facts) -> None:
     """Put the library's own functions back (only ours are unwrapped)."""
-    for name in _wrappers(library, force=False):
+    for name in library.functions:
         current = getattr(module, name, None)
         if isinstance(current, _Wrapper):
             setattr(module, name, current.__wrapped__)

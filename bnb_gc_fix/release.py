@@ -27,14 +27,14 @@ class Release:
     cached_bytes: int  # what the cache held before anything was given back
 
 
-def release_left_behind(added: int) -> Release:
+def release_left_behind(rise: int) -> Release:
     """Give back this thread's gate holds whose calls have ended (whenever they were taken), and of the
-    counter's rise ``added`` during the step or cell what no gate accounts for, where no other thread
-    runs; see the module."""
+    counter's ``rise`` during the step or cell what no gate accounts for, where no other thread runs;
+    see the module."""
     cached = cache.cached_bytes()
     ended = gate.give_back_ended()
-    gates_hold = sum(len(thread_holds.holds) for thread_holds in gate.every_holds())
-    unaccounted = min(added - ended, cache.counter() - gates_hold)
+    gates_hold = sum(len(thread_holds.holds) for thread_holds in gate.all_thread_holds())
+    unaccounted = min(rise - ended, cache.counter() - gates_hold)
     if unaccounted <= 0:
         return Release(released=ended, left=0, cached_bytes=cached)
     if threading.active_count() > 1:

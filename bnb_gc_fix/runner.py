@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import _bnb_gc_fix
 
-EXIT_NOT_EXECUTABLE = 126  # the shell's status for a file that is not executable
+EXIT_NOT_EXECUTABLE = 126  # the shell's status for a command found but not run
 EXIT_NOT_FOUND = 127  # the shell's status for a command that is not found
 
 SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(_bnb_gc_fix.__file__)), "runner_path")
@@ -47,5 +47,5 @@ def run(command: Sequence[str], usage: int) -> int:
             os.execvpe(command[0], list(command), env)
         except OSError as error:
             print(f"bnb-gc-fix run: cannot run {command[0]!r}: {error}", file=sys.stderr)
-            return EXIT_NOT_FOUND
+            return EXIT_NOT_EXECUTABLE
     return subprocess.call(list(command), env=env)

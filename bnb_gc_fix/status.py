@@ -8,7 +8,6 @@ all computed from one :class:`Status`, so no two disagree.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -73,15 +72,15 @@ class Status:
         return None
 
     @property
-    def deciding(self) -> LibraryStatus:
+    def worst_library(self) -> LibraryStatus:
         """The library :attr:`state` comes from: the worst of those imported in this process (one left
         unprotected outranks one patched), else bitsandbytes."""
         imported = [library for library in self.libraries if library.version is not None]
-        return min(imported or [self.bitsandbytes], key=lambda library: _WORST_FIRST.index(library.state))
+        return min(imported or [self.bitsandbytes], key=_rank)
 
     @property
     def state(self) -> str:
-        return self.deciding.state
+        return self.worst_library.state
 
     @property
     def active(self) -> bool:
@@ -94,7 +93,7 @@ class Status:
 
     @property
     def reason(self) -> str:
-        return self.deciding.reason
+        return self.worst_library.reason
 
     def as_dict(self) -> dict[str, Any]:
         """Everything, as ``bnb-gc-fix status --json`` prints it (JSON-ready)."""
@@ -134,7 +133,7 @@ class Status:
         if self.via and self.state in (State.PATCHED.value, State.ARMED.value):
             text += f", turned on by {_VIA_TEXT.get(self.via, self.via)}"
         if len(self.libraries) > 1:
-            text += f" (from {self.deciding.name})"
+            text += f" (from {self.worst_library.name})"
         return text
 
     def _switch_text(self) -> str:
@@ -168,19 +167,10 @@ class Status:
         return "\n".join(self.lines())
 
 
-#: Where a library's state ranks when several are imported: the first is the worst.
-_WORST_FIRST = tuple(
-    state.value
-    for state in (
-        State.UNPATCHED,
-        State.SKIPPED,
-        State.OFF,
-        State.PATCHED,
-        State.ARMED,
-        State.NOT_NEEDED,
-        State.NOT_INSTALLED,
-    )
-)
+def _rank(library: LibraryStatus) -> int:
+    """Where a library's state ranks, the worst first (the order of :class:`State`)."""
+    return list(State).index(State(library.state))
+
 
 _NO_RELEASE = "not installed (IPython/Jupyter only)"
 _AFFECTED_TEXT = {True: "yes", False: "no", None: "not known"}
@@ -242,9 +232,10 @@ def _cache_figures() -> tuple[int | None, int | None]:
     """torch's counter and cached bytes; None for both while its parametrize is not imported."""
     if cache.parametrize() is None:
         return None, None
-    with contextlib.suppress(Exception):  # status() never raises
+    try:
         return cache.counter(), cache.cached_bytes()
-    return None, None
+    except Exception:  # status() never raises
+        return None, None
 
 
 def _startup_hook() -> str:
@@ -270,9 +261,9 @@ def status() -> Status:
         mode=process.mode,
         switch=process.switch,
         switch_now=os.environ.get(words.VARIABLE),
-        via=process.via if activation.on() else None,
+        via=process.via if activation.turned_on() else None,
         startup_hook=_startup_hook(),
-        cell_end_release=notebook.installed(),
+        cell_end_release=notebook.registered(),
         import_errors=installed.failures(),
         torch_installed=_is_installed("torch"),
     )

@@ -219,7 +219,7 @@ four_bit = quantized.checkpointed_counters(quantized.make())
 quantized.reset()
 status = bnb_gc_fix.status()
 print(json.dumps({
-    "state": status.state, "active": status.active, "deciding": status.deciding.name,
+    "state": status.state, "active": status.active, "worst": status.worst_library.name,
     "libraries": {lib.name: lib.state for lib in status.libraries}, "four_bit": four_bit,
 }))
 """
@@ -244,7 +244,7 @@ def test_status_is_the_worst_of_the_libraries_imported(wrapped: str, startup_hoo
     if state == "patched":
         assert facts["four_bit"] == [0, 0, 0] and (facts["state"], facts["active"]) == ("patched", True)
     else:  # what is not patched decides, over axolotl's patch
-        assert (facts["state"], facts["active"], facts["deciding"]) == (state, False, "bitsandbytes")
+        assert (facts["state"], facts["active"], facts["worst"]) == (state, False, "bitsandbytes")
 
 
 def test_cli_status_lists_axolotl() -> None:

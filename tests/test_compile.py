@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, FIX, SCENARIOS, run_python
+from conftest import AFFECTED, FIX, SCENARIOS, run_code, run_python
 
 pytestmark = [pytest.mark.usefixtures("startup_hook_installed")]
 
@@ -67,3 +67,30 @@ def test_compiled_model_served_from_two_threads_ends_no_worse_than_the_control()
     assert fixed["threads"]["counters"] == control["threads"]["counters"] == [0, 0, 0, 0]
     assert fixed["threads"]["cache_entries"] == control["threads"]["cache_entries"] == 0
     assert fixed["threads"]["outputs"] == control["threads"]["outputs"]
+
+
+FULLGRAPH_SELF_CALL = """
+import torch
+import quantized
+
+class Recursive(quantized.Quantized):
+    def forward(self, x, level=0):
+        x = x @ self.w0.t()
+        if level < 2:
+            x = self(x, level + 1)  # a weight-shared layer applied again: a nested call of itself
+        return x
+
+torch.manual_seed(0)
+module = quantized.quantize(Recursive(params=1))
+compiled = torch.compile(module, fullgraph=True, backend="eager")
+x = torch.randn(2, 64)
+outputs = [round(float(compiled(x).sum()), 5) for _ in range(3)]
+print(json.dumps({"outputs": outputs, "counter": quantized.counter()}))
+"""
+
+
+def test_a_module_calling_itself_compiles_with_fullgraph_where_the_control_does() -> None:
+    # The gate's re-entry in a trace reads no frame: no graph break, so fullgraph=True compiles.
+    fixed = run_code(FULLGRAPH_SELF_CALL, prelude="scenarios", switch=FIX).last_json
+    control = run_code(FULLGRAPH_SELF_CALL, prelude="scenarios", switch="0").last_json
+    assert fixed == control and fixed["counter"] == 0
