@@ -275,6 +275,26 @@ def test_unknown_switch_value_warns_once_and_behaves_as_auto() -> None:
     assert "'sometimes'" in message and "0/off/false/no" in message and "force" in message
 
 
+@pytest.mark.parametrize("warnings_are", ["errors", "warnings"])
+def test_an_unknown_switch_value_never_breaks_the_import_even_where_warnings_are_errors(
+    warnings_are: str,
+) -> None:
+    # `python -W error` (pytest's filterwarnings = error too): the warning would raise inside the user's
+    # import; it goes to the log instead, and the fix is on. The control: the plain warning.
+    code = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format='LOG %(message)s')\n"
+        "import bnb_gc_fix, bitsandbytes.nn.parametrize\n"
+        "print(bnb_gc_fix.status().state)\n"
+    )
+    options = ["-W", "error"] if warnings_are == "errors" else []
+    result = run_python([*options, "-c", code], switch="sometimes")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == ("patched" if AFFECTED else "not needed")
+    said = result.stdout if warnings_are == "errors" else result.stderr
+    assert "BNB_GC_FIX='sometimes' is not a known value" in said
+
+
 def test_off_still_lets_explicit_helpers_work() -> None:
     code = """
 import torch, bnb_gc_fix, quantized

@@ -72,6 +72,30 @@ print(json.dumps([quantized.counter(), ours]))
     assert "that ended. Cause: " in warning
 
 
+def test_under_warnings_as_errors_the_guard_never_replaces_the_steps_own_exception() -> None:
+    code = """
+import warnings
+import torch, bnb_gc_fix, quantized
+bnb_gc_fix.deactivate()  # a plain pair: the Ctrl-C's hold is the guard's to report
+module = quantized.make(params=1)
+module.interrupt = KeyboardInterrupt
+warnings.filterwarnings("error", category=bnb_gc_fix.CacheLeakWarning)  # the package's, as errors
+try:
+    with bnb_gc_fix.guard():
+        module(torch.randn(2, 64))
+except BaseException as error:
+    print(type(error).__name__, quantized.counter())
+"""
+    fixed = run_code(code, prelude="scenarios")
+    assert fixed.stdout.split() == ["KeyboardInterrupt", "0"], fixed.stderr  # released; the step's own
+    # The control: a step that raises nothing, under the same filters, gets the report as an error.
+    quiet = code.replace("module.interrupt = KeyboardInterrupt", "module.interrupt = None").replace(
+        "module(torch.randn(2, 64))", "quantized.interrupted_forward(module, torch.randn(2, 64))"
+    )
+    control = run_code(quiet, prelude="scenarios")
+    assert control.stdout.split() == ["CacheLeakWarning", "0"], control.stderr
+
+
 # --- every leaking step is reported, under Python's default warning filters -------------------------
 
 # Three steps that each leave a hold (a Ctrl-C in a forward of a plain pair: the fix is off), each
