@@ -56,8 +56,9 @@ def _pytest(project: Path, switch: str | None, autoload: bool) -> subprocess.Com
 
 
 def _ours(output: str) -> list[str]:
-    """Lines that name the package."""
-    return [line for line in output.splitlines() if "bnb" in line.lower()]
+    """Lines that name the package (the environment's own folder, whatever its name, aside)."""
+    lines = output.replace(sys.prefix, "<environment>").splitlines()
+    return [line for line in lines if "bnb" in line.lower()]
 
 
 def _last_line(run: subprocess.CompletedProcess[str]) -> str:
