@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
+import warnings
 
 import bnb_gc_fix
 
@@ -21,13 +23,17 @@ from tiny_olmoe import CHECKPOINTING, build  # noqa: E402
 
 
 class Recorder(TrainerCallback):
-    """Runs after the guard: records the counter at every step end."""
+    """Runs after the guard: records the counter at every step end, and how many Python threads run
+    then (a helper thread, such as torch 2.3 inductor's compile pool's, keeps the guard from releasing
+    what it cannot trace to the training thread)."""
 
     def __init__(self) -> None:
         self.counters: list[int] = []
+        self.threads: list[int] = []
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.counters.append(int(P._cache_enabled))
+        self.threads.append(threading.active_count())
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -68,12 +74,16 @@ def main() -> None:
             logging_strategy="no",
             disable_tqdm=True,
         )
-        Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks).train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks).train()
     print(
         json.dumps(
             {
                 "steps": len(recorder.counters),
                 "counters": recorder.counters,
+                "threads": recorder.threads,
+                "reports": [str(w.message) for w in caught if "bnb_gc_fix.guard" in str(w.message)],
                 "released": guard.released if guard else None,
                 "imported_by_package": imported_by_package,
                 "active": bnb_gc_fix.status().active,
