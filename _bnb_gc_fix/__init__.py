@@ -5,7 +5,7 @@ PYTEST_DONT_REWRITE: the start-up hook imports this package in every process, be
 pytest marks an installed plugin's packages for assertion rewriting, and this marker is its own way of
 saying that an already imported one is not to be rewritten (else every run would warn about it).
 
-Its modules import only the standard library:
+Its modules import nothing of the public package (the standard library, and pytest for the plugin):
 
 * :mod:`_bnb_gc_fix.startup`: the start-up hook (``bnb_gc_fix.pth``, ``bnb_gc_fix.start``, the runner);
 * :mod:`_bnb_gc_fix.cache`: torch's parametrization cache, read and released without importing torch;
@@ -105,7 +105,7 @@ class Facts:
         return f"{self.first_affected} <= v < {self.first_fixed}"
 
     @property
-    def functions(self) -> "tuple[str, str, str]":
+    def function_names(self) -> "tuple[str, str, str]":
         """The functions of its module that the fix wraps: the register function and the pair's two."""
         return (self.register, ENABLE_HOOK, DISABLE_HOOK)
 

@@ -69,6 +69,11 @@ def give_back(count: int) -> None:
         module._cache = {}
 
 
+def empty_at_zero() -> None:
+    """A counter at or below zero back to zero, and the cache emptied; a counter above zero stays."""
+    give_back(0)
+
+
 def reset(keep: int = 0) -> int:
     """Set the counter to ``keep`` holds (never below 0, which torch reads as on); at 0, also empty the
     cache and tell whoever registered with :func:`on_reset`. Returns how many holds were released."""

@@ -45,13 +45,15 @@ started_by: "str | None" = None
 activated_by: "str | None" = None
 #: The watched modules whose code a watcher's loader is running right now.
 executing: "set[str]" = set()
+#: True while a start-up path imports the public package: the watchers then answer for it.
+_importing_public = False
 
 
 def import_public() -> "ModuleType":
     """The public package, imported through the import system (so another thread importing it at the
-    same moment waits for it to be whole). While a start-up path imports it, the watchers answer for it
-    from :data:`INSTALL_DIR`, so a same-named module earlier on ``sys.path`` (a ``bnb_gc_fix.py`` in the
-    working directory) never runs."""
+    same moment waits for it to be whole). While a watcher's start-up import runs, the watchers answer
+    for it from :data:`INSTALL_DIR`, so a same-named module earlier on ``sys.path`` (a ``bnb_gc_fix.py``
+    in the working directory) never runs."""
     import importlib
 
     return importlib.import_module(words.PUBLIC)
@@ -91,7 +93,7 @@ class Watcher:
     def find_spec(
         self, fullname: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None
     ) -> "ModuleSpec | None":
-        if fullname == words.PUBLIC and activated_by is not None:
+        if fullname == words.PUBLIC and _importing_public:
             return _installed_public_spec()
         if fullname not in words.WATCHED:
             return None
@@ -113,8 +115,8 @@ class Watcher:
         later = finders[finders.index(self) + 1 :] if self in finders else []
         for finder in later:
             find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:  # a legacy finder: the import system asks it in its own way
-                return None
+            if find_spec is None:
+                continue
             spec: ModuleSpec | None = find_spec(fullname, path, target)
             if spec is not None:
                 return spec
@@ -124,18 +126,21 @@ class Watcher:
         """The watched module ``name`` has run to its end: turn the fix on if no one has (the public
         package's import does), unless ``BNB_GC_FIX`` switches it off now, and let activation patch the
         module. Never raises into the importer: a broken install must never break the user's import."""
-        global activated_by
+        global activated_by, _importing_public
         if words.PUBLIC not in sys.modules and _switched_off():
             return
         try:
             if activated_by is None and words.PUBLIC not in sys.modules:
                 activated_by = self.via  # read by the package's activation, during the import below
+            _importing_public = True
             import_public()
             activation = sys.modules[words.PUBLIC + ".activation"]
             activation.on_imported(name)
         except Exception:  # a broken install: the module imports as if we were not here
             if words.PUBLIC not in sys.modules:
                 activated_by = None  # nothing was turned on: a later `import bnb_gc_fix` is the user's
+        finally:
+            _importing_public = False
 
 
 class WatchingLoader:  # no importlib.abc.Loader base: not loaded at start-up, and the protocol needs none

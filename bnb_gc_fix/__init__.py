@@ -64,7 +64,7 @@ def repair(model: torch.nn.Module) -> int:
     already stuck stays stuck: :func:`reset` releases it."""
     from bnb_gc_fix import hooks
 
-    force = _words.forces(_activation.process.mode)
+    force = _activation.forcing()
     changed = [hooks.install(module, replace_always_called=force) for module in model.modules()]
     return sum(changed)
 

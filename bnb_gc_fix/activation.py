@@ -183,7 +183,7 @@ def _apply(library: Library, module: ModuleType, late: bool = False) -> None:
         level = logging.INFO if asked_for_it else logging.DEBUG
         logger.log(level, "nothing needed patching: %s", verdict.reason)
         return
-    patch.apply(module, library.facts, replace_always_called=words.forces(process.mode))
+    patch.apply(module, library.facts)
     reason = verdict.decision
     if late:
         reason += (
@@ -303,7 +303,12 @@ def credit(via: str) -> None:
 
 
 def turned_on() -> bool:
-    """bitsandbytes is armed, or some library is patched right now (what ``status().via`` is
-    reported for)."""
-    armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
-    return armed or any(library.applied() for library in process.libraries.values())
+    """Some library is armed, or patched right now (what ``status().via`` is reported for)."""
+    libraries = process.libraries.values()
+    return any(library.state is State.ARMED or library.applied() for library in libraries)
+
+
+def forcing() -> bool:
+    """Whether the last activation read ``BNB_GC_FIX=force``: the package's hooks replace pairs that
+    are right already too (read at each use, so a later activation's reading holds at once)."""
+    return words.forces(process.mode)

@@ -96,7 +96,7 @@ class Verdict:
 
 def _missing_function(library: Facts, module: ModuleType) -> str | None:
     """What is missing of the functions the patch wraps, if anything."""
-    for name in library.functions:
+    for name in library.function_names:
         if not callable(getattr(module, name, None)):
             return f"{library.module} has no {name}()"
     return None

@@ -27,11 +27,13 @@ class SwitchValueWarning(BnbGcFixWarning):
 
 
 class CacheLeakWarning(BnbGcFixWarning):
-    """The leak guard found the parametrization cache still switched on after a step and released it."""
+    """The leak guard found the parametrization cache still switched on after a step: what it released,
+    and what it left and why."""
 
 
 class CacheLeakError(RuntimeError):
-    """Raised by ``guard(strict=True)`` after it released a stuck parametrization cache."""
+    """Raised by ``guard(strict=True)`` where a step left the parametrization cache switched on (after
+    releasing what was provably left behind)."""
 
     def __init__(self, message: str, released: int, cached_bytes: int) -> None:
         super().__init__(message)

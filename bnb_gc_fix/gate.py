@@ -9,10 +9,11 @@ no hook at all after a ``BaseException`` such as ``KeyboardInterrupt``. A hold s
 behind is given back at the module's next re-entry on that thread, when the module is collected, when
 its thread ends (a forked child's other threads too), or by a safety net (:func:`give_back_ended`).
 
-Each hold remembers the frame that called the pre-hook (torch's ``Module._call_impl``); the call is
-running while that frame is on its thread's stack. That is read only at a *re-entry*, when a pre-hook
-finds its thread already holding the module: a module calling itself finds the outer call's frame a
-few frames down, whatever the depth; a hold whose frame is gone is given back. Where torch.compile
+Each hold remembers the frame that called the pre-hook (torch's ``Module._call_impl``, or the function
+in it that runs the hooks); the call is running while that frame is on its thread's stack. That is
+read only at a *re-entry*, when a pre-hook finds its thread already holding the module: a module
+calling itself finds the outer call's frame a few frames down, whatever the depth; a hold whose frame
+is gone is given back. Where torch.compile
 traces the pre-hook there is no frame to take (reading one would break the graph): such a hold is
 given back at the module's next re-entry, which makes a compiled module that calls itself dequantize
 again in its inner calls, never leak.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import pkgutil
 import sys
 import threading
@@ -61,15 +63,17 @@ class ThreadHolds:
     when this dies (with the thread's copy of the gate: its thread ended, or its module was collected)
     is given back."""
 
-    __slots__ = ("__weakref__", "holds", "thread")
+    __slots__ = ("__weakref__", "holds", "thread_id")
 
     def __init__(self, holds: Holds) -> None:
         self.holds = holds
-        self.thread = threading.get_ident()
+        self.thread_id = threading.get_ident()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at interpreter shutdown
+        try:
             cache.give_back(len(self.holds))
+        except Exception:  # at interpreter shutdown, with the modules half torn down
+            pass
 
 
 _ALL_THREAD_HOLDS: weakref.WeakSet[ThreadHolds] = weakref.WeakSet()  # every thread's holds on every gate
@@ -137,7 +141,7 @@ def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
             ended += 1
         cache.give_back(ended)
         return
-    innermost = holds[-1]
+    innermost = holds[-1] if holds else None  # reset() on another thread may have just emptied them
     if innermost is not None and _on_stack(innermost, caller):
         return
     ended = _forget_ended(holds, set(_stack(caller)))
@@ -152,7 +156,7 @@ def give_back_ended() -> int:
     me = threading.get_ident()
     released = 0
     for thread_holds in all_thread_holds():
-        if thread_holds.thread == me:
+        if thread_holds.thread_id == me:
             released += _forget_ended(thread_holds.holds, stack)
     cache.give_back(released)
     return released
@@ -188,14 +192,40 @@ class _Hook:
         self.gate = gate
         self.replaced = replaced  # "module:qualified name" of the function this hook replaced
 
-    def __reduce__(self) -> tuple[Callable[[str], Any], tuple[str]]:
-        return (pkgutil.resolve_name, (self.replaced,))
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _ByName(self.replaced).__reduce__()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
         return type(self)(copy.deepcopy(self.gate, memo), self.replaced)
 
     def __repr__(self) -> str:
         return f"<bnb_gc_fix {type(self).__name__} in the place of {self.replaced}>"
+
+
+class _ByName:
+    """Pickles as ``pkgutil.resolve_name(name)``: the object of that name where it is loaded."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pkgutil.resolve_name, (self.name,))
+
+
+class _KeyTakenOut:
+    """Pickles as ``always_called.pop(key, None)``: loading it takes ``key`` out of that dictionary
+    (which pickle loads once, however many objects refer to it)."""
+
+    __slots__ = ("always_called", "key")
+
+    def __init__(self, always_called: dict[int, bool], key: int) -> None:
+        self.always_called = always_called
+        self.key = key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self.always_called).pop, (self.always_called, self.key, None))
 
 
 class EnterHook(_Hook):
@@ -213,15 +243,36 @@ class EnterHook(_Hook):
 
 
 class LeaveHook(_Hook):
-    """The gate's always-called forward hook: give back one hold, if this thread has one here."""
+    """The gate's always-called forward hook: give back one hold, if this thread has one here.
 
-    __slots__ = ()
+    Where the disable hooks it replaced were plain, a module pickled with it loads them plain again:
+    the pickle loads this hook as the function it replaced and takes its key out of torch's
+    always-called dictionary of the module (``plain_key``), which stays torch's own object."""
+
+    __slots__ = ("always_called", "plain_key")
+
+    def __init__(self, gate: Gate, replaced: str) -> None:
+        super().__init__(gate, replaced)
+        self.always_called: dict[int, bool] | None = None  # the module's, once the hook is placed
+        self.plain_key: int | None = None  # this hook's key there, where the pair it replaced was plain
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.plain_key is None or self.always_called is None:
+            return super().__reduce__()
+        loaded = (_ByName(self.replaced), _KeyTakenOut(self.always_called, self.plain_key))
+        return (operator.getitem, (loaded, 0))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LeaveHook:
+        copied = LeaveHook(copy.deepcopy(self.gate, memo), self.replaced)
+        copied.always_called = copy.deepcopy(self.always_called, memo)  # the copied module's
+        copied.plain_key = self.plain_key
+        return copied
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        holds = self.gate.holds
-        if not holds:
+        try:
+            self.gate.holds.pop()
+        except IndexError:  # no hold on this thread here (or reset() forgot it just now)
             return
-        holds.pop()
         # cache.give_back(1) written out: a call costs time, and a run of bytecodes with no call in it
         # is never cut by a switch to another thread (Python 3.10+), as in torch's own P.cached().
         remaining = P._cache_enabled - 1

@@ -9,7 +9,8 @@ hook, so every other hook runs in the order it did, and the others of the pairs 
 
 from __future__ import annotations
 
-import collections
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,20 @@ import torch
 
 import _bnb_gc_fix as words
 from bnb_gc_fix import gate
+
+#: Held while a module's hooks are edited: two threads converting one module at its first forward (or
+#: repair() beside a forward) never edit its dictionaries at once.
+lock = threading.RLock()
+
+
+def _renew_lock() -> None:
+    """A forked child never waits on a lock that one of its parent's other threads held."""
+    global lock
+    lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
 def _is_gate_hook(hook: object) -> bool:
@@ -52,26 +67,6 @@ def cache_hooks(module: torch.nn.Module) -> CacheHooks:
     return CacheHooks(enable_keys=enables, disable_keys=disables, always_called=always_called)
 
 
-class _AlwaysCalled(collections.OrderedDict):  # type: ignore[type-arg]
-    """A gated module's ``_forward_hooks_always_called``, pickled without the gate's entry where the
-    pair it replaced was plain, so that a module pickled with the gate loads as the pair it had. It
-    stands in for torch's dictionary only while that one is empty, so no handle torch gave out refers to
-    an entry of it."""
-
-    __slots__ = ("plain_key",)
-
-    def __init__(self, items: Any = (), plain_key: int | None = None) -> None:
-        super().__init__(items)
-        self.plain_key = plain_key  # the gate's key, where the disable hook it replaced was plain
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        kept = [(key, value) for key, value in self.items() if key != self.plain_key]
-        return (collections.OrderedDict, (kept,))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _AlwaysCalled:
-        return _AlwaysCalled(self.items(), self.plain_key)
-
-
 def _take_place(hooks: dict[int, Any], keys: list[int], hook: object, first: bool) -> int:
     """Put ``hook`` where the first (or the last) of ``keys`` is in ``hooks``, drop the others of
     ``keys``, and return the key kept."""
@@ -100,11 +95,15 @@ def gate_hooks(module: torch.nn.Module) -> tuple[gate.EnterHook, gate.LeaveHook]
     return None
 
 
-def _new_hooks(enable: object) -> tuple[gate.EnterHook, gate.LeaveHook]:
-    """A new gate's hooks, standing in for the enable function ``enable`` and the disable function of
-    the same module."""
-    origin = getattr(enable, "__module__", "")
-    return gate.new_hooks(_reference(enable), f"{origin}:{words.DISABLE_HOOK}")
+def _new_hooks(module: torch.nn.Module, found: CacheHooks) -> tuple[gate.EnterHook, gate.LeaveHook]:
+    """A new gate's hooks, standing in for the first enable function and the last disable function
+    found (an enable hook alone: the disable function of the enable function's module)."""
+    enable = module._forward_pre_hooks[found.enable_keys[0]]
+    if found.disable_keys:
+        disable = _reference(module._forward_hooks[found.disable_keys[-1]])
+    else:
+        disable = f"{getattr(enable, '__module__', '')}:{words.DISABLE_HOOK}"
+    return gate.new_hooks(_reference(enable), disable)
 
 
 def _put_enter_hook(module: torch.nn.Module, enables: list[int], enter: gate.EnterHook) -> None:
@@ -116,25 +115,15 @@ def _put_enter_hook(module: torch.nn.Module, enables: list[int], enter: gate.Ent
         module._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
-def _always_called(module: torch.nn.Module) -> dict[int, bool]:
-    """The module's always-called dictionary, made an :class:`_AlwaysCalled` while torch's is empty."""
-    always = module._forward_hooks_always_called
-    if not always and not isinstance(always, _AlwaysCalled):
-        always = _AlwaysCalled()
-        module._forward_hooks_always_called = always
-    return always
-
-
 def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.LeaveHook) -> None:
     """The gate's forward hook, always called, where the last disable hook (or an earlier gate's
-    forward hook) was; registered anew where there was none."""
+    forward hook) was; registered anew where there was none. torch's always-called dictionary stays
+    the module's own: its entries are edited in place, and the hook itself carries what a pickle needs
+    to load the pair as it was."""
     post_hooks = module._forward_hooks
-    always = _always_called(module)
+    always = module._forward_hooks_always_called
     gates = [key for key, hook in post_hooks.items() if _is_gate_hook(hook)]
-    # pickled without the gate's entry where the pair it replaces (or an earlier gate's) was plain
-    replaces_plain = (
-        any(key not in always for key in disables) or getattr(always, "plain_key", None) is not None
-    )
+    replaces_plain = leave.plain_key is not None or any(key not in always for key in disables)
     if disables or gates:
         kept = _take_place(post_hooks, gates + disables, leave, first=False)
     else:  # an enable hook alone: the gate still needs its forward hook
@@ -143,8 +132,8 @@ def _put_leave_hook(module: torch.nn.Module, disables: list[int], leave: gate.Le
         module._forward_hooks_with_kwargs.pop(key, None)
         always.pop(key, None)
     always[kept] = True
-    if isinstance(always, _AlwaysCalled):
-        always.plain_key = kept if replaces_plain else None
+    leave.always_called = always
+    leave.plain_key = kept if replaces_plain else None
 
 
 def install(module: torch.nn.Module, replace_always_called: bool = False) -> bool:
@@ -154,15 +143,16 @@ def install(module: torch.nn.Module, replace_always_called: bool = False) -> boo
     Returns whether the module changed. A module without an enable hook is left alone, and so is one
     whose pairs are right (bitsandbytes 0.50) unless ``replace_always_called`` (``BNB_GC_FIX=force``).
     """
-    found = cache_hooks(module)
-    if not found.enable_keys:
-        return False
-    if found.upstream_fixed and not replace_always_called:
-        return False
-    pair = gate_hooks(module)
-    if pair is None:
-        pair = _new_hooks(module._forward_pre_hooks[found.enable_keys[0]])
-    enter, leave = pair
-    _put_enter_hook(module, found.enable_keys, enter)
-    _put_leave_hook(module, found.disable_keys, leave)
-    return True
+    with lock:
+        found = cache_hooks(module)
+        if not found.enable_keys:
+            return False
+        if found.upstream_fixed and not replace_always_called:
+            return False
+        pair = gate_hooks(module)
+        if pair is None:
+            pair = _new_hooks(module, found)
+        enter, leave = pair
+        _put_enter_hook(module, found.enable_keys, enter)
+        _put_leave_hook(module, found.disable_keys, leave)
+        return True

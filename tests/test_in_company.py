@@ -185,6 +185,7 @@ import quantized
 torch.manual_seed(0)
 module = quantized.Quantized(params=2)
 before = module.register_forward_hook(lambda m, a, o: None, always_call=True)
+torchs_own = module._forward_hooks_always_called
 quantized.quantize(module)
 after = module.register_forward_hook(lambda m, a, o: None, always_call=True)
 plain = quantized.make(params=1)  # nothing always-called of its own before it was quantized
@@ -196,6 +197,7 @@ owners = {before: module, after: module, late: plain}
 print(json.dumps({
     "left": [handle.id for handle, owner in owners.items() if handle.id in always[owner]],
     "entries": [len(entries) for entries in always.values()],
+    "torchs_own": module._forward_hooks_always_called is torchs_own,
     "counters": quantized.checkpointed_counters(module) + quantized.checkpointed_counters(plain),
 }))
 """
@@ -207,7 +209,31 @@ def test_a_handle_removes_its_always_called_entry_before_and_after_quantization(
     assert fixed["left"] == control["left"] == []
     assert control["entries"] == ([2, 1] if not AFFECTED else [0, 0])  # bitsandbytes' own, if any
     assert fixed["entries"] == [1, 1]  # the gate's forward hook, one a module
+    assert fixed["torchs_own"] is control["torchs_own"] is True  # the dictionary is torch's object still
     assert fixed["counters"] == [0] * 6
+
+
+# Module objects that share their hook dictionaries (DataParallel's replicas): one of them
+# converted, the others' forwards are gated as well, since the gate's entries went into the shared
+# dictionaries themselves.
+SHARED = """
+import torch
+import bnb_gc_fix, quantized
+bnb_gc_fix.deactivate()
+module = quantized.make(params=2)  # bitsandbytes' own plain pairs
+replica = object.__new__(type(module))  # shares the hook dictionaries, as DataParallel's replicas do
+replica.__dict__ = module.__dict__.copy()
+fixed = bnb_gc_fix.repair(replica) if sys.argv[1] == "repair" else 0
+print(json.dumps({"fixed": fixed, "counters": quantized.checkpointed_counters(module)}))
+"""
+
+
+def test_a_gate_put_on_one_of_modules_sharing_their_hook_dictionaries_gates_them_all() -> None:
+    fixed = run_code(SHARED, "repair", prelude="scenarios").last_json
+    control = run_code(SHARED, "no", prelude="scenarios").last_json
+    assert fixed == {"fixed": 1, "counters": [0, 0, 0]}
+    if AFFECTED:
+        assert control["counters"][-1] > control["counters"][0] > 0
 
 
 COPY = """
