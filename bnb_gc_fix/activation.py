@@ -303,9 +303,10 @@ def credit(via: str) -> None:
 
 
 def turned_on() -> bool:
-    """Some library is armed, or patched right now (what ``status().via`` is reported for)."""
-    libraries = process.libraries.values()
-    return any(library.state is State.ARMED or library.applied() for library in libraries)
+    """bitsandbytes is armed, or some library is patched right now (what ``status().via`` is
+    reported for; an armed copy in another library waits for a module that may never come)."""
+    armed = process.libraries[BITSANDBYTES.module].state is State.ARMED
+    return armed or any(library.applied() for library in process.libraries.values())
 
 
 def forcing() -> bool:
