@@ -115,13 +115,29 @@ def _on_stack(wanted: FrameType, start: FrameType) -> bool:
     return False
 
 
+def _forget_frameless(holds: Holds) -> int:
+    """Forget, innermost first, the holds taken without a frame (in a compiled trace), without giving
+    them back; returns how many."""
+    forgotten = 0
+    try:
+        while holds and holds[-1] is None:
+            holds.pop()
+            forgotten += 1
+    except IndexError:  # reset() on another thread emptied them in between (Python 3.9 switches anywhere)
+        pass
+    return forgotten
+
+
 def _forget_ended(holds: Holds, stack: set[FrameType]) -> int:
     """Forget, innermost first, the holds whose frames are not in ``stack`` (a hold without a frame
     among them), without giving them back; returns how many."""
     forgotten = 0
-    while holds and holds[-1] not in stack:
-        holds.pop()
-        forgotten += 1
+    try:
+        while holds and holds[-1] not in stack:
+            holds.pop()
+            forgotten += 1
+    except IndexError:  # reset() on another thread emptied them in between (Python 3.9 switches anywhere)
+        pass
     return forgotten
 
 
@@ -135,11 +151,7 @@ def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
     holds without a frame are given back: nothing else can be read there.
     """
     if caller is None:
-        ended = 0
-        while holds and holds[-1] is None:
-            holds.pop()
-            ended += 1
-        cache.give_back(ended)
+        cache.give_back(_forget_frameless(holds))
         return
     innermost = holds[-1] if holds else None  # reset() on another thread may have just emptied them
     if innermost is not None and _on_stack(innermost, caller):
