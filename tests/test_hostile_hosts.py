@@ -339,6 +339,30 @@ def test_an_import_hook_in_front_hides_bitsandbytes_and_status_says_so(switch: s
 
 # --- the safety nets never corrupt ----------------------------------------------------------------
 
+# The safety nets around a step (or a failing cell) that runs `step()`; "none" is the control.
+STEP_NETS = {
+    "none": "def NET():\n    step()\n",
+    "guard": "import bnb_gc_fix\ndef NET():\n    with bnb_gc_fix.guard():\n        step()\n",
+    "callback": (
+        "from bnb_gc_fix.integrations.transformers import LeakGuardCallback\n"
+        "def NET():\n"
+        "    cb = LeakGuardCallback()\n"
+        "    cb.on_step_begin(None, None, None)\n"
+        "    step()\n"
+        "    cb.on_step_end(None, None, None)\n"
+    ),
+    "notebook": (
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\n"
+        "import bnb_gc_fix\n"
+        "assert bnb_gc_fix.status().cell_end_release\n"
+        "shell.user_ns['step'] = lambda: step()\n"
+        "def NET():\n"
+        "    shell.run_cell('step(); undefined_name')  # the cell starts B, then fails\n"
+    ),
+}
+
+
 BACKGROUND_HOLD = """
 import threading, time, warnings, torch
 import torch.nn.utils.parametrize as P
@@ -357,6 +381,10 @@ def background():
 thread = threading.Thread(target=background)
 thread.start()
 entered.wait()
+
+def step():  # the step does nothing: the other thread's hold was taken before it began
+    pass
+
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     NET()
@@ -370,32 +398,12 @@ print(json.dumps({"counter": int(P._cache_enabled), "changed": not torch.equal(b
                   "warnings": [str(w.message) for w in caught if "bnb_gc_fix" in str(w.message)]}))
 """
 
-NETS = {
-    "none": "def NET():\n    pass\n",
-    "guard": "import bnb_gc_fix\ndef NET():\n    with bnb_gc_fix.guard():\n        pass\n",
-    "callback": (
-        "from bnb_gc_fix.integrations.transformers import LeakGuardCallback\n"
-        "def NET():\n"
-        "    cb = LeakGuardCallback()\n"
-        "    cb.on_step_begin(None, None, None)\n"
-        "    cb.on_step_end(None, None, None)\n"
-    ),
-    "notebook": (
-        "from IPython.core.interactiveshell import InteractiveShell\n"
-        "shell = InteractiveShell.instance()\n"
-        "import bnb_gc_fix\n"
-        "assert bnb_gc_fix.status().cell_end_release\n"
-        "def NET():\n"
-        "    shell.run_cell('undefined_name')  # an unrelated cell fails while the thread holds\n"
-    ),
-}
-
 
 @pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
 def test_safety_nets_never_take_another_threads_live_hold(net: str) -> None:
-    control = run_code(NETS["none"] + BACKGROUND_HOLD, prelude="scenarios").last_json
+    control = run_code(STEP_NETS["none"] + BACKGROUND_HOLD, prelude="scenarios").last_json
     assert control == {"counter": 0, "changed": True, "warnings": []}
-    fixed = run_code(NETS[net] + BACKGROUND_HOLD, prelude="scenarios")
+    fixed = run_code(STEP_NETS[net] + BACKGROUND_HOLD, prelude="scenarios")
     out = fixed.last_json
     assert out["counter"] == 0 and out["changed"] is True  # never -1, never stale weights
     assert out["warnings"] == []
@@ -429,28 +437,6 @@ for thread in threading.enumerate():
 print(json.dumps({"inside": inside, "end": int(P._cache_enabled),
                   "warnings": [str(w.message) for w in caught if "bnb_gc_fix" in str(w.message)]}))
 """
-
-STEP_NETS = {
-    "none": "def NET():\n    step()\n",
-    "guard": "import bnb_gc_fix\ndef NET():\n    with bnb_gc_fix.guard():\n        step()\n",
-    "callback": (
-        "from bnb_gc_fix.integrations.transformers import LeakGuardCallback\n"
-        "def NET():\n"
-        "    cb = LeakGuardCallback()\n"
-        "    cb.on_step_begin(None, None, None)\n"
-        "    step()\n"
-        "    cb.on_step_end(None, None, None)\n"
-    ),
-    "notebook": (
-        "from IPython.core.interactiveshell import InteractiveShell\n"
-        "shell = InteractiveShell.instance()\n"
-        "import bnb_gc_fix\n"
-        "assert bnb_gc_fix.status().cell_end_release\n"
-        "shell.user_ns['step'] = lambda: step()\n"
-        "def NET():\n"
-        "    shell.run_cell('step(); undefined_name')  # the cell starts B, then fails\n"
-    ),
-}
 
 
 @pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
