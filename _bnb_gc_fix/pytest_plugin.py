@@ -155,7 +155,7 @@ def _switch_the_fix_off(config: pytest.Config) -> None:
     previous = os.environ.get(words.VARIABLE)
     os.environ[words.VARIABLE] = "0"
     config.add_cleanup(functools.partial(_restore_switch, previous))
-    package = sys.modules.get("bnb_gc_fix")
+    package = sys.modules.get(words.PUBLIC)
     if package is not None:
         package.deactivate()
 
@@ -181,7 +181,7 @@ def _fix_state() -> str:
     Where the process imported it, its own status() says (with the switch as its activation read it);
     elsewhere, the environment's switch is all there is to tell.
     """
-    status = getattr(sys.modules.get("bnb_gc_fix"), "status", None)
+    status = getattr(sys.modules.get(words.PUBLIC), "status", None)
     if status is None:
         return f"bnb-gc-fix: not loaded in this process ({_switch_text(os.environ.get(words.VARIABLE))})"
     try:
