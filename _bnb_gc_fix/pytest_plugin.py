@@ -341,8 +341,8 @@ class CacheCheck:
     def _report(
         self, who: str, what: str, cause: str, after: int | None, close: Sequence[Any] = (), note: str = ""
     ) -> None:
-        """Queue one leak's line, then release the cache: close the contexts ``close``, and set the
-        counter to ``after`` unless it is None (see :func:`_release`)."""
+        """Release the cache (close the contexts ``close``, and set the counter to ``after`` unless it is
+        None; see :func:`_release`), then queue one leak's line, which gives the counter before and after."""
         counter = cache.counter()
         cached = cache.cached_bytes()
         after = _release(close, after)

@@ -4,7 +4,8 @@
 Every Python process of the environment runs it: ``bnb_gc_fix.pth`` imports it and calls
 :func:`install_quietly` (``bnb_gc_fix.start`` names the same function for Pythons that run start-up
 entry points instead of ``.pth`` import lines), and so does the runner's ``sitecustomize``. Importing
-the public package instead would pull in wrapt and packaging (tens of milliseconds) in every process.
+the public package instead would load logging, packaging and importlib.metadata (tens of
+milliseconds) in every process.
 
 The path from interpreter start to a gated module (``docs/how-it-works.md`` draws it):
 

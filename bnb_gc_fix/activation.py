@@ -39,7 +39,8 @@ class State(enum.Enum):
 
 
 class Library:
-    """One patched library in this process: its state, why, and the verdict on its module."""
+    """One library the fix patches (``_bnb_gc_fix.LIBRARIES``), in this process: its state, why, and the
+    verdict on its module."""
 
     def __init__(self, facts: Facts) -> None:
         self.facts = facts

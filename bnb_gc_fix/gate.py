@@ -272,6 +272,8 @@ class LeaveHook(_Hook):
         if self.plain_key is None or self.always_called is None:
             return super().__reduce__()
         loaded = (_ByName(self.replaced), _KeyTakenOut(self.always_called, self.plain_key))
+        # Unpickles as (resolve_name(replaced), always_called.pop(key, None))[0]: the function, with the
+        # key taken out on the way, and nothing of this package needed to load it.
         return (operator.getitem, (loaded, 0))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> LeaveHook:

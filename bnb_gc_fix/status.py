@@ -54,8 +54,9 @@ class Status:
     mode: str  # what the last activation read BNB_GC_FIX as: auto, on, off or force
     switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
     switch_now: str | None  # BNB_GC_FIX now: where it differs, it takes effect at the next activate()
-    via: str | None  # what turned the fix on here (a VIA_* word); None: nothing patched nor armed
-    #                (an armed copy in another library waits for a module that may never come: not counted)
+    via: str | None  # what turned the fix on here (a VIA_* word); None where activation.turned_on() is
+    #                False: nothing patched, and bitsandbytes not armed as activation recorded it (armed
+    #                bitsandbytes may read `not installed` or `not needed` in state; via still shows)
     startup_hook: str  # "installed", "switched off" (by BNB_GC_FIX) or "not installed"
     cell_end_release: bool  # IPython/Jupyter: a cell ending in an exception releases the cache it held
     import_errors: Mapping[str, str] = field(default_factory=dict)  # module -> what its import raised
