@@ -37,6 +37,13 @@ def check_and_release(strict: bool = False, start: int = 0, where: str = "the st
     return found.released
 
 
+class _Entries(threading.local):
+    """One thread's counters at the entries of a guard it has not left yet, the innermost last."""
+
+    def __init__(self) -> None:  # runs once in every thread that uses the guard, at its first use
+        self.starts: list[int] = []
+
+
 class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: `with guard():`)
     """Around one training step (``with`` or decorator), outside torch.compile: ``guard()(compiled)``
     guards a compiled step. On exit, :func:`check_and_release` of what it added (``strict`` only when no
@@ -45,20 +52,16 @@ class guard(contextlib.ContextDecorator):  # noqa: N801  (used like a function: 
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
-        self._threads = threading.local()  # each thread's counters at the entries it has not left
-
-    def _starts(self) -> list[int]:
-        starts: list[int] = self._threads.__dict__.setdefault("starts", [])
-        return starts
+        self._entries = _Entries()
 
     def __enter__(self) -> guard:
-        self._starts().append(cache.counter())
+        self._entries.starts.append(cache.counter())
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        start = self._starts().pop()
+        start = self._entries.starts.pop()
         try:
             check_and_release(strict=self.strict and exc_type is None, start=start)
         except Exception:  # the report, as an error (-W error): never in place of the step's own
