@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from types import ModuleType
     from typing import Any
 
+#: This package's folder.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 #: The folder this package was installed in (site-packages), where the public package lives beside it.
-INSTALL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALL_DIR = os.path.dirname(PACKAGE_DIR)
 
 #: Which start-up path ran in this process (a ``words.VIA_*`` value), whether or not ``BNB_GC_FIX``
 #: then switched the fix off; None when neither ran.

@@ -10,6 +10,7 @@ import warnings
 from types import FrameType
 
 import _bnb_gc_fix as words
+from _bnb_gc_fix import startup
 
 logger = logging.getLogger(words.PUBLIC)
 
@@ -43,7 +44,7 @@ class CacheLeakError(RuntimeError):
 
 _OUR_FOLDERS = (
     os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(words.__file__)) + os.sep,
+    startup.PACKAGE_DIR + os.sep,
 )
 
 

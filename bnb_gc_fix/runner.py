@@ -12,12 +12,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-import _bnb_gc_fix
+from _bnb_gc_fix import startup
 
 EXIT_NOT_EXECUTABLE = 126  # the shell's status for a command found but not run
 EXIT_NOT_FOUND = 127  # the shell's status for a command that is not found
 
-SITECUSTOMIZE_DIR = os.path.join(os.path.dirname(os.path.abspath(_bnb_gc_fix.__file__)), "runner_path")
+SITECUSTOMIZE_DIR = os.path.join(startup.PACKAGE_DIR, "runner_path")
 
 
 def environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
