@@ -51,6 +51,8 @@ INI = "parametrize_cache_check"
 PROPERTY = "parametrize_cache_leak"
 
 _SWITCH = "parametrize_cache_check_switch"
+# What the check sets BNB_GC_FIX to for its run: a spelling of off (_bnb_gc_fix.parse).
+_FIX_OFF = "0"
 _PLUGIN_NAME = "bnb_gc_fix_parametrize_cache_check"
 
 # Where the summary places the leaks of fixtures finalised after the last test report.
@@ -153,7 +155,7 @@ def _switch_the_fix_off(config: pytest.Config) -> None:
     """``BNB_GC_FIX=0`` for this run and the processes it starts (xdist's workers among them), put
     back as it was when the run ends; where the fix is on already, it is turned off."""
     previous = os.environ.get(words.VARIABLE)
-    os.environ[words.VARIABLE] = "0"
+    os.environ[words.VARIABLE] = _FIX_OFF
     config.add_cleanup(functools.partial(_restore_switch, previous))
     package = sys.modules.get(words.PUBLIC)
     if package is not None:
@@ -319,7 +321,7 @@ class CacheCheck:
     def pytest_report_header(self) -> str:
         return (
             f"parametrize-cache-check: {self.mode} (bnb-gc-fix; its fix is switched off for this run, "
-            f"{words.VARIABLE}=0, so that the leaks show)"
+            f"{words.VARIABLE}={_FIX_OFF}, so that the leaks show)"
         )
 
     @contextlib.contextmanager
