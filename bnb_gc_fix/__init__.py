@@ -1,19 +1,11 @@
-"""bnb-gc-fix: stop bitsandbytes' 4-bit parametrization cache from leaking under gradient checkpointing.
-
-Importing this package activates the fix (unless ``BNB_GC_FIX`` switches it off). The public API:
-:func:`activate`, :func:`deactivate`, :func:`status`, :func:`repair`, :func:`reset`, :class:`guard`.
-
-PYTEST_DONT_REWRITE (pytest's marker: a process may import this package before pytest starts).
-"""
+"""bnb-gc-fix: bitsandbytes' 4-bit parametrization cache, kept from leaking under activation checkpointing
+and Ctrl-C. Importing the package turns the fix on, unless ``BNB_GC_FIX`` switches it off."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-import _bnb_gc_fix as _words
-from _bnb_gc_fix import cache as _cache
-from _bnb_gc_fix import startup as _startup
+import _bnb_gc_fix as _startup
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
 from bnb_gc_fix.activation import deactivate
@@ -25,16 +17,15 @@ from bnb_gc_fix.errors import (
     SwitchValueWarning,
 )
 from bnb_gc_fix.errors import logger as _logger
-from bnb_gc_fix.guard import guard
-from bnb_gc_fix.status import LibraryStatus, Status, status  # `status` is the function, not the module
-
-if TYPE_CHECKING:
-    import torch
+from bnb_gc_fix.nets import LeakGuard, guard
+from bnb_gc_fix.repair import repair, reset
+from bnb_gc_fix.status import LibraryStatus, Status, status
 
 __all__ = [
     "BnbGcFixWarning",
     "CacheLeakError",
     "CacheLeakWarning",
+    "LeakGuard",
     "LibraryStatus",
     "PatchSkippedWarning",
     "Status",
@@ -52,29 +43,9 @@ _logger.addHandler(logging.NullHandler())
 
 
 def activate() -> Status:
-    """Turn the fix on as ``BNB_GC_FIX`` says now (read once per activation); idempotent, never raises (a
-    problem becomes a warning and ``status().reason``). Returns :func:`status`."""
-    _activation.activate()
+    """Turn the fix on as ``BNB_GC_FIX`` says now (idempotent, never raises); returns :func:`status`."""
+    _activation.activate(via=_activation.ACTIVATE)
     return status()
 
 
-def repair(model: torch.nn.Module) -> int:
-    """Give every module of ``model`` quantized before the fix was active one gate in place of its plain
-    pairs (right pairs only under ``BNB_GC_FIX=force``); returns how many modules changed. A counter
-    already stuck stays stuck: :func:`reset` releases it."""
-    from bnb_gc_fix import hooks
-
-    force = _activation.forcing()
-    changed = [hooks.install(module, replace_always_called=force) for module in model.modules()]
-    return sum(changed)
-
-
-def reset() -> int:
-    """Release a stuck parametrization cache: counter to 0, cache emptied, every gate's holds forgotten.
-    Returns the holds released. Works whether or not the fix is active, and never imports torch."""
-    return _cache.reset()
-
-
-# Importing the package turns the fix on. A start-up path notes itself just before it imports the
-# package; a user's own import finds no such note.
-_activation.activate(via=_startup.activated_by or _words.VIA_IMPORT)
+_activation.activate(via=_activation.STARTUP_HOOK if _startup.importing_package else _activation.IMPORT)

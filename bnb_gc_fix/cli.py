@@ -1,4 +1,4 @@
-"""The ``bnb-gc-fix`` command line: ``status``, ``check`` and ``run``."""
+"""The ``bnb-gc-fix`` command line: ``status`` and ``check``."""
 
 from __future__ import annotations
 
@@ -8,44 +8,57 @@ import os
 import platform
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
-import _bnb_gc_fix as words
-from bnb_gc_fix import __version__, activation
-from bnb_gc_fix.installed import distribution_version, import_installed
-from bnb_gc_fix.status import status as fix_status
+from _bnb_gc_fix import LIBRARIES
+from bnb_gc_fix import __version__
+from bnb_gc_fix.installed import distribution_version, try_import
+from bnb_gc_fix.status import Status, status
 
-if TYPE_CHECKING:
-    from bnb_gc_fix import check
+EXIT_PROTECTED = 0  # check: no leak, either way
+EXIT_LEAK = 1  # check: the cache stayed switched on, or the adapter's step died with a CheckpointError
+EXIT_CANNOT_RUN = 2  # check: cannot run here (it says why); any command: a wrong command line
 
 
 def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one object, one line
     print(json.dumps(payload, sort_keys=True))
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
-    import_installed()  # so that the fix has something to decide on; every sentence comes from status()
-    current = fix_status()
-    transformers = distribution_version("transformers")
-    facts = {"bnb_gc_fix": __version__, "python": platform.python_version(), "transformers": transformers}
-    if args.json:
-        _print_json({**facts, **current.as_dict()})
-        return 0
-    print(
-        f"bnb-gc-fix {__version__} (Python {facts['python']}, transformers {transformers or 'not installed'})"
+def _import_the_libraries() -> list[str]:
+    """Import what is installed of the libraries the fix goes into (so it has something to look at);
+    returns what failed to import, and why. Nothing is imported that is not installed."""
+    problems = []
+    for library in LIBRARIES:
+        if distribution_version(library.name) is None:
+            continue
+        _, problem = try_import(library.module)
+        if problem is not None:
+            problems.append(problem)
+    return problems
+
+
+def _header() -> str:
+    python = platform.python_version()
+    versions = ", ".join(
+        f"{name} {distribution_version(name) or 'not installed'}" for name in ("torch", "transformers")
     )
+    return f"bnb-gc-fix {__version__} (Python {python}, {versions})"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    problems = _import_the_libraries()
+    current = status()
+    if args.json:
+        _print_json({"bnb_gc_fix": __version__, **current.as_dict(), "import_errors": problems})
+        return 0
+    print(_header())
     print(current)
+    for problem in problems:
+        print(f"import: {problem}")
     return 0
 
 
-EXIT_PROTECTED = 0  # check: the counter and the cache were back to zero after every step
-EXIT_LEAK = 1  # check: the leak was observed
-EXIT_CANNOT_RUN = 2  # check: cannot run here (the message says why)
-EXIT_USAGE = 2  # any command: the command line was wrong
-
-
 def _cmd_check(args: argparse.Namespace) -> int:
-    """Every path ends with 0, 1 or 2 and, with --json, exactly one JSON object on stdout."""
     from bnb_gc_fix import check
 
     result: check.CheckResult | None = None
@@ -54,84 +67,54 @@ def _cmd_check(args: argparse.Namespace) -> int:
         result = check.run(device=args.device, steps=args.steps)
     except check.CannotRunError as cannot:
         error = str(cannot)
-    except Exception as unexpected:  # a bug of ours must not read as "leak observed"
+    except Exception as unexpected:  # a bug of ours must not read as a leak
         error = f"the check itself failed ({type(unexpected).__name__}: {unexpected})"
-    current = fix_status()
-    code = _check_exit_code(result)
-    args.exit_code = code  # what main() returns even if stdout is closed while printing
+    current = status()
+    code = EXIT_CANNOT_RUN if result is None else EXIT_PROTECTED if result.protected else EXIT_LEAK
     if args.json:
-        payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
+        payload = {"exit_code": code, "error": error, "status": current.as_dict(), "result": None}
         if result is not None:
-            payload.update(result.as_dict())
-        payload.update(error=error, exit_code=code, status=current.as_dict())
+            payload["result"] = result.as_dict()
         _print_json(payload)
-        return code
-    if result is None:
+    elif result is None:
         print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
-        return code
-    print(
-        f"bnb-gc-fix check: bitsandbytes {current.bitsandbytes.version}, torch {current.torch}, "
-        f"device {result.device}, fix {current.state}"
-    )
-    print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
-    for step in result.steps:
-        print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
-    if result.protected:
-        print("protected: the counter and the cache were back to zero after every step")
     else:
-        print(
-            "LEAK: the parametrization cache stayed switched on after a step, so dequantized weights "
-            f"stay resident. The fix is {current.state} here: {current.reason}."
-        )
+        _print_check(result, current)
     return code
 
 
-def _check_exit_code(result: check.CheckResult | None) -> int:
-    if result is None:
-        return EXIT_CANNOT_RUN
+def _print_check(result: Any, current: Status) -> None:
+    bitsandbytes = current.libraries[0].version
+    print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {current_torch()}, device {result.device}")
+    print(f"state: {current.state}: {current.reason}")
+    print("the routers trained, the quantized experts frozen; the cache after each step:")
+    print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
+    for step in result.steps:
+        print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
+    print("an adapter trained through the quantized experts:", end=" ")
+    if result.adapter_error is None:
+        print(f"{result.adapter_steps} steps ran")
+    else:
+        print(f"step {result.adapter_steps + 1} died: {result.adapter_error}")
     if result.protected:
-        return EXIT_PROTECTED
-    return EXIT_LEAK
+        print("protected: the cache was switched off and empty after every step, and the adapter trained")
+        return
+    faces = []
+    if result.cache_left_on:
+        faces.append("the cache stayed switched on after a step, so every dequantized weight stays in memory")
+    if result.adapter_error is not None:
+        faces.append(
+            "the CheckpointError is the same leak's other face: the recompute started with the cache left on "
+            "and saved fewer tensors than the forward did"
+        )
+    print(f"LEAK: {'; '.join(faces)}.")
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from bnb_gc_fix import runner
-
-    return runner.run(args.argv[1:] if args.argv[:1] == ["--"] else args.argv, usage=EXIT_USAGE)
+def current_torch() -> str | None:
+    return str(getattr(sys.modules.get("torch"), "__version__", None))
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="bnb-gc-fix",
-        description="Diagnose and stop bitsandbytes' 4-bit cache leak under gradient checkpointing.",
-    )
-    parser.add_argument("--version", action="version", version=f"bnb-gc-fix {__version__}")
-    commands = parser.add_subparsers(title="commands", dest="command", metavar="{status,check,run}")
-
-    status = commands.add_parser(
-        "status", help="versions, whether this bitsandbytes is affected, whether the fix is on"
-    )
-    status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.set_defaults(func=_cmd_status)
-
-    check = commands.add_parser(
-        "check",
-        help="reproduce the leak's shape on a small synthetic model; exit 0 protected, 1 leak, 2 cannot run",
-    )
-    check.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
-    check.add_argument("--steps", type=_positive, default=4, help="optimizer steps (default 4)")
-    check.add_argument("--json", action="store_true", help="print one JSON object")
-    check.set_defaults(func=_cmd_check)
-
-    run = commands.add_parser(
-        "run", help="run CMD with the fix switched on at interpreter start: run -- CMD ..."
-    )
-    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="CMD", help="the command to run, after --")
-    run.set_defaults(func=_cmd_run)
-    return parser
-
-
-def _positive(text: str) -> int:
+def _steps(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -142,61 +125,68 @@ def _positive(text: str) -> int:
 
 
 class _UsageError(Exception):
-    """A usage error that argparse found, carried to :func:`main`."""
-
     def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
         super().__init__(message)
         self.parser = parser
-        self.message = message
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, whose usage errors reach :func:`main` (to answer in JSON under ``--json``)."""
+    """argparse, whose usage errors reach main() (to answer in JSON under --json)."""
 
     def error(self, message: str) -> NoReturn:
         raise _UsageError(self, message)
 
 
-def _usage_error(error: _UsageError, argv: Sequence[str]) -> int:
-    parser = error.parser
-    message = error.message
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="bnb-gc-fix", description="bitsandbytes' parametrization-cache leak: status and check."
+    )
+    parser.add_argument("--version", action="version", version=f"bnb-gc-fix {__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="{status,check}")
+    status_command = commands.add_parser(
+        "status", help="where the fix stands, and the libraries it goes into"
+    )
+    status_command.add_argument("--json", action="store_true", help="print one JSON object")
+    status_command.set_defaults(func=_cmd_status)
+    check = commands.add_parser(
+        "check",
+        help="train a small random model both ways the leak shows; exit 0 protected, 1 leak, 2 cannot run",
+    )
+    check.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    check.add_argument("--steps", type=_steps, default=4, help="optimizer steps (default 4)")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.set_defaults(func=_cmd_check)
+    return parser
+
+
+def _usage(error: _UsageError, argv: Sequence[str]) -> int:
+    message = f"{error.parser.prog}: {error}"
     if "--json" in argv:
-        payload: dict[str, Any] = {"error": f"{parser.prog}: {message}", "exit_code": EXIT_USAGE}
-        if "check" in argv:
-            payload.update(device=None, protected=None, steps=[])
-        _print_json(payload)
+        _print_json({"error": message, "exit_code": EXIT_CANNOT_RUN})
     else:
-        parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+        error.parser.print_usage(sys.stderr)
+        print(f"{error.parser.prog}: error: {error}", file=sys.stderr)
+    return EXIT_CANNOT_RUN
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    activation.credit(words.VIA_COMMAND)  # this command's own import of the package turned it on
-    argv = list(sys.argv[1:] if argv is None else argv)
+    arguments = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    args = argparse.Namespace()
     try:
         try:
-            args = parser.parse_args(argv)
+            args = parser.parse_args(arguments)
         except _UsageError as error:
-            return _usage_error(error, argv)
+            return _usage(error, arguments)
         if args.command is None:
             parser.print_help(sys.stderr)
-            print(
-                "\nbnb-gc-fix: give a command, e.g. `bnb-gc-fix check` or `bnb-gc-fix status`",
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
-        result: int = args.func(args)
+            print("\nbnb-gc-fix: give a command: `bnb-gc-fix check` or `bnb-gc-fix status`", file=sys.stderr)
+            return EXIT_CANNOT_RUN
+        code: int = args.func(args)
         sys.stdout.flush()
-        return result
-    except BrokenPipeError:
-        # The reader went away (`bnb-gc-fix status --json | head -c 1`): a quiet exit. Python's
-        # own flush at exit would fail too, so stdout now points at the null device.
+        return code
+    except BrokenPipeError:  # the reader went away (`bnb-gc-fix status --json | head -c 1`): a quiet exit
         try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):
             pass
-        return int(getattr(args, "exit_code", 0))
+        return 0

@@ -1,5 +1,5 @@
-"""bnb-gc-fix's warning and exception classes, so users can filter or catch exactly its own; its logger;
-and how its warnings reach the user's line."""
+"""bnb-gc-fix's warnings and exceptions (so that users can filter or catch exactly its own), its logger, and
+how a warning reaches the user's line."""
 
 from __future__ import annotations
 
@@ -9,18 +9,15 @@ import sys
 import warnings
 from types import FrameType
 
-import _bnb_gc_fix as words
-from _bnb_gc_fix import startup
-
-logger = logging.getLogger(words.PUBLIC)
+logger = logging.getLogger("bnb_gc_fix")
 
 
 class BnbGcFixWarning(UserWarning):
-    """Base class of every warning bnb-gc-fix emits."""
+    """Every warning of bnb-gc-fix."""
 
 
 class PatchSkippedWarning(BnbGcFixWarning):
-    """The fix could not be applied safely (unexpected internals); ``status().reason`` says why."""
+    """The fix could not be put in place safely; ``status().reason`` says why."""
 
 
 class SwitchValueWarning(BnbGcFixWarning):
@@ -28,50 +25,40 @@ class SwitchValueWarning(BnbGcFixWarning):
 
 
 class CacheLeakWarning(BnbGcFixWarning):
-    """The leak guard found the parametrization cache still switched on after a step: what it released,
-    and what it left and why."""
+    """A safety net found torch's parametrization cache left switched on after a step or a cell."""
 
 
 class CacheLeakError(RuntimeError):
-    """Raised by ``guard(strict=True)`` where a step left the parametrization cache switched on (after
-    releasing what was provably left behind)."""
+    """``guard(strict=True)``: the step left holds on the cache that the guard could not give back."""
 
-    def __init__(self, message: str, released: int, cached_bytes: int) -> None:
+    def __init__(self, message: str, left: int, cached_bytes: int) -> None:
         super().__init__(message)
-        self.released = released
+        self.left = left
         self.cached_bytes = cached_bytes
 
 
-_OUR_FOLDERS = (
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    startup.PACKAGE_DIR + os.sep,
-)
+_OUR_FOLDER = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_OUR_START_UP_MODULE = sys.modules["_bnb_gc_fix"].__file__ if "_bnb_gc_fix" in sys.modules else "_bnb_gc_fix"
 
 
-def _is_our_file(filename: str) -> bool:
-    path = filename if filename.startswith("<") else os.path.abspath(filename)
-    return path.startswith(_OUR_FOLDERS)
-
-
-def _is_import_machinery(filename: str) -> bool:
-    return os.sep + "importlib" in filename or filename.startswith("<frozen importlib")
+def _is_ours_or_the_import_system(filename: str) -> bool:
+    if filename.startswith("<frozen importlib") or os.sep + "importlib" + os.sep in filename:
+        return True
+    path = os.path.abspath(filename)
+    return path.startswith(_OUR_FOLDER) or path == _OUR_START_UP_MODULE
 
 
 def _users_frame() -> FrameType:
-    """The first frame, from :func:`warn`'s caller outwards, outside this package, the private one and
-    the import system (the outermost frame if there is none)."""
-    frame = sys._getframe(2)
-    while frame.f_back is not None:
-        filename = frame.f_code.co_filename
-        if not _is_import_machinery(filename) and not _is_our_file(filename):
-            break
+    """The innermost frame outside bnb-gc-fix and the import system (the outermost if all are)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and _is_ours_or_the_import_system(frame.f_code.co_filename):
         frame = frame.f_back
     return frame
 
 
 def warn(message: str, category: type[Warning], *, every_time: bool = False) -> None:
-    """Warn at the user's line. ``every_time``: shown at every call under Python's default filters,
-    which show a warning once per place and text (for a report that is news each time)."""
+    """Warn at the user's line. ``every_time``: shown at each call under Python's default filters (which
+    show a warning once per line and text), for a report that is news each time."""
     frame = _users_frame()
     registry = None if every_time else frame.f_globals.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
@@ -82,3 +69,12 @@ def warn(message: str, category: type[Warning], *, every_time: bool = False) -> 
         module=frame.f_globals.get("__name__"),
         registry=registry,
     )
+
+
+def warn_quietly(message: str, category: type[Warning]) -> None:
+    """:func:`warn`, except where warnings are errors (``-W error``): then the log gets it, since this
+    runs inside the user's import, which must never fail because of bnb-gc-fix."""
+    try:
+        warn(message, category)
+    except Exception:
+        logger.warning("%s", message)

@@ -1,311 +1,235 @@
-"""The gate: one pair of hooks per quantized module, in the place of bitsandbytes' plain pairs.
+"""What a library's two hook functions do once the fix is on: exact holds on torch's parametrization cache.
 
-bitsandbytes 0.48-0.49 switch torch's parametrization cache on and off around every forward of a
-quantized module with a plain pair of hooks per parameter; a forward left by an exception skips the
-"off", and the cache is never emptied again. A gate's pre-hook (:class:`EnterHook`) takes one *hold*
-on torch's counter; its always-called forward hook (:class:`LeaveHook`) gives it back. torch runs
-always-called hooks after an ``Exception`` (non-reentrant checkpointing's early stop among them), but
-no hook at all after a ``BaseException`` such as ``KeyboardInterrupt``. A hold such a forward left
-behind is given back at the module's next re-entry on that thread, when the module is collected, when
-its thread ends (a forked child's other threads too), or by a safety net (:func:`give_back_ended`).
+A *hold* is one count on torch's counter (``P._cache_enabled``; the cache is on while it is above 0),
+taken by a module's forward pre-hook (:func:`enter`) for that module on its thread. The module's forward
+hook (:func:`leave`), which torch calls even when the forward raises, gives it back, and the cache is
+emptied when the counter reaches 0. torch calls no hook when a ``BaseException`` (Ctrl-C) leaves a
+forward: such a hold is given back when the module is entered again on its thread, when a safety net's
+span that took it ends, when its thread ends, when the module is collected, or by :func:`reset`.
 
-Each hold remembers the frame that called the pre-hook (torch's ``Module._call_impl``, or the function
-in it that runs the hooks); the call is running while that frame is on its thread's stack. That is
-read only at a *re-entry*, when a pre-hook finds its thread already holding the module: a module
-calling itself finds the outer call's frame a few frames down, whatever the depth; a hold whose frame
-is gone is given back. Where torch.compile
-traces the pre-hook there is no frame to take (reading one would break the graph): such a hold is
-given back at the module's next re-entry, which makes a compiled module that calls itself dequantize
-again in its inner calls, never leak.
-
-Holds nest: a thread takes a hold on a module inside the calls of the ones it holds already, so the
-live holds come first and the ended ones last. The counter's update has no call in it, so a thread
-with the GIL never switches in the middle of it (Python 3.10+), as in torch's own ``P.cached()``.
+Before its first hold a module is *taken over* (:func:`take_over`): the pairs its library registered,
+one per quantized parameter, become one pair whose forward hook torch calls always.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import operator
-import pkgutil
-import sys
+import itertools
+import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from types import FrameType
-from typing import Any, Optional
+from types import FunctionType
+from typing import Any
 
 import torch
 import torch.nn.utils.parametrize as P
 
-from _bnb_gc_fix import cache
+from bnb_gc_fix import cache
 
-_frame = sys._getframe
+#: Each hold's ticket: a hold taken later has a larger one (a safety net gives back those after its own).
+tickets = itertools.count(1)
 
-
-def _never_compiling() -> bool:  # a torch before torch.compiler.is_dynamo_compiling (2.3)
-    return False
-
-
-#: True where Dynamo traces the caller (it folds the call to a constant), False in eager mode.
-_compiling: Callable[[], bool] = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
+#: The libraries' hook functions the fix has given its code, as (enable, disable) pairs (patch.py).
+PAIRS: list[tuple[FunctionType, FunctionType]] = []
 
 
-# --- holds -------------------------------------------------------------------------------------------
-#: One thread's holds on one gate, outermost first: for each, the frame of the call that took it (None
-#: where torch.compile traced the pre-hook). A plain list: the hooks' hot path.
-Holds = list[Optional[FrameType]]
+class ThreadHolds(dict[int, list[int]]):
+    """One thread's holds: for each module (by ``id``), the tickets of its holds, the oldest first."""
 
+    def count(self) -> int:
+        return sum(len(held) for held in list(self.values()))  # a copy: _collected() may pop meanwhile
 
-class ThreadHolds:
-    """One thread's holds on one gate, as :func:`all_thread_holds` lists them. What is left in them
-    when this dies (with the thread's copy of the gate: its thread ended, or its module was collected)
-    is given back."""
-
-    __slots__ = ("__weakref__", "holds", "thread_id")
-
-    def __init__(self, holds: Holds) -> None:
-        self.holds = holds
-        self.thread_id = threading.get_ident()
-
-    def __del__(self) -> None:
+    def __del__(self) -> None:  # its thread ended; in a forked child, every thread but the one that forked
         try:
-            cache.give_back(len(self.holds))
-        except Exception:  # at interpreter shutdown, with the modules half torn down
+            _give_back(self.count())
+        except Exception:  # at interpreter shutdown, with modules half torn down
             pass
 
 
-_ALL_THREAD_HOLDS: weakref.WeakSet[ThreadHolds] = weakref.WeakSet()  # every thread's holds on every gate
+class _Local(threading.local):
+    def __init__(self) -> None:  # once in each thread, at its first use
+        self.holds = ThreadHolds()
+        _EVERY_THREAD[id(self.holds)] = self.holds
 
 
-def all_thread_holds() -> list[ThreadHolds]:
-    """A snapshot of every thread's holds on every gate (another thread's first forward may add one
-    while it is taken: then it is taken again)."""
-    while True:
-        with contextlib.suppress(RuntimeError):  # "Set changed size during iteration"
-            return list(_ALL_THREAD_HOLDS)
+_EVERY_THREAD: weakref.WeakValueDictionary[int, ThreadHolds] = weakref.WeakValueDictionary()
+_local = _Local()
+
+#: The modules taken over, by ``id``; an entry goes when its module is collected.
+_taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
+_lock = threading.Lock()  # held while a module is taken over
 
 
-def _forget_every_hold() -> None:
-    """Every gate forgets its holds on every thread, giving nothing back (the counter was reset)."""
-    for thread_holds in all_thread_holds():
-        thread_holds.holds.clear()
+def _renew_lock() -> None:  # a forked child never waits on a lock another thread of its parent held
+    global _lock
+    _lock = threading.Lock()
 
 
-cache.on_reset(_forget_every_hold)
+if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
+    os.register_at_fork(after_in_child=_renew_lock)
 
 
-# --- which holds have ended ------------------------------------------------------------------------
-def _stack(start: FrameType | None) -> Iterator[FrameType]:
-    """``start`` and every frame below it on this thread."""
-    frame = start
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
-def _on_stack(wanted: FrameType, start: FrameType) -> bool:
-    """Whether ``wanted`` is ``start`` or a frame below it on this thread."""
-    frame: FrameType | None = start
-    while frame is not None:
-        if frame is wanted:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _forget_frameless(holds: Holds) -> int:
-    """Forget, innermost first, the holds taken without a frame (in a compiled trace), without giving
-    them back; returns how many."""
-    forgotten = 0
-    try:
-        while holds and holds[-1] is None:
-            holds.pop()
-            forgotten += 1
-    except IndexError:  # reset() on another thread emptied them in between (Python 3.9 switches anywhere)
-        pass
-    return forgotten
-
-
-def _forget_ended(holds: Holds, stack: set[FrameType]) -> int:
-    """Forget, innermost first, the holds whose frames are not in ``stack`` (a hold without a frame
-    among them), without giving them back; returns how many."""
-    forgotten = 0
-    try:
-        while holds and holds[-1] not in stack:
-            holds.pop()
-            forgotten += 1
-    except IndexError:  # reset() on another thread emptied them in between (Python 3.9 switches anywhere)
-        pass
-    return forgotten
-
-
-def _give_back_at_reentry(holds: Holds, caller: FrameType | None) -> None:
-    """Give back this thread's holds on a gate whose calls have ended, as the gate's pre-hook is
-    entered again (``caller``: the frame calling it; None in a compiled trace).
-
-    A module calling itself: the innermost hold's frame is a few frames below the caller, whatever
-    the depth, and nothing is given back. A hold a ``BaseException`` left: its frame is not on the
-    stack, which is then read once, and every ended hold is given back. In a compiled trace only
-    holds without a frame are given back: nothing else can be read there.
-    """
-    if caller is None:
-        cache.give_back(_forget_frameless(holds))
-        return
-    innermost = holds[-1] if holds else None  # reset() on another thread may have just emptied them
-    if innermost is not None and _on_stack(innermost, caller):
-        return
-    ended = _forget_ended(holds, set(_stack(caller)))
-    cache.give_back(ended)
-
-
-def give_back_ended() -> int:
-    """Give back this thread's holds, on every gate, whose calls have ended (left by a
-    ``BaseException``, or taken in a compiled trace); returns how many. What the safety nets release as
-    their own (a forward still running around the caller keeps its hold)."""
-    stack = set(_stack(_frame(1)))
-    me = threading.get_ident()
-    released = 0
-    for thread_holds in all_thread_holds():
-        if thread_holds.thread_id == me:
-            released += _forget_ended(thread_holds.holds, stack)
-    cache.give_back(released)
-    return released
-
-
-# --- the gate and its two hooks ----------------------------------------------------------------------
-class Gate(threading.local):
-    """What one module's two hooks share: on each thread, that thread's holds on the module."""
-
-    def __init__(self) -> None:  # runs once in every thread that uses the gate, at its first use
-        self.holds: Holds = []
-        self.thread_holds = ThreadHolds(self.holds)
-        _ALL_THREAD_HOLDS.add(self.thread_holds)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Gate:
-        return Gate()  # a copied module gets a fresh gate: holds belong to live calls
-
-    @staticmethod
-    def of(module: torch.nn.Module) -> Gate | None:
-        """The gate on ``module``, if it has one."""
-        enter = enter_hook(module)
-        return None if enter is None else enter.gate
-
-
-class _Hook:
-    """One of a gate's two hooks. It pickles (with pickle, cloudpickle or dill) as the function it
-    replaced, by name, so a pickled module loads wherever the original did, with the package or
-    without it, and holds a plain pair there (which the patch turns into a gate at its first forward)."""
-
-    __slots__ = ("gate", "replaced")
-
-    def __init__(self, gate: Gate, replaced: str) -> None:
-        self.gate = gate
-        self.replaced = replaced  # "module:qualified name" of the function this hook replaced
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return _ByName(self.replaced).__reduce__()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return type(self)(copy.deepcopy(self.gate, memo), self.replaced)
-
-    def __repr__(self) -> str:
-        return f"<bnb_gc_fix {type(self).__name__} in the place of {self.replaced}>"
-
-
-class _ByName:
-    """Pickles as ``pkgutil.resolve_name(name)``: the object of that name where it is loaded."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (pkgutil.resolve_name, (self.name,))
-
-
-class _KeyTakenOut:
-    """Pickles as ``always_called.pop(key, None)``: loading it takes ``key`` out of that dictionary
-    (which pickle loads once, however many objects refer to it)."""
-
-    __slots__ = ("always_called", "key")
-
-    def __init__(self, always_called: dict[int, bool], key: int) -> None:
-        self.always_called = always_called
-        self.key = key
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self.always_called).pop, (self.always_called, self.key, None))
-
-
-class EnterHook(_Hook):
-    """The gate's forward pre-hook: take one hold on this thread and switch the cache on."""
-
-    __slots__ = ()
-
-    def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        holds = self.gate.holds
-        caller = None if _compiling() else _frame(1)
-        if holds:  # a re-entry: a self-call, or a hold a BaseException left
-            _give_back_at_reentry(holds, caller)
-        P._cache_enabled += 1  # the counter first: a Ctrl-C in between can leave one, never take one
-        holds.append(caller)
-
-
-class LeaveHook(_Hook):
-    """The gate's always-called forward hook: give back one hold, if this thread has one here.
-
-    Where the disable hooks it replaced were plain, a module pickled with it loads them plain again:
-    the pickle loads this hook as the function it replaced and takes its key out of torch's
-    always-called dictionary of the module (``plain_key``), which stays torch's own object."""
-
-    __slots__ = ("always_called", "plain_key")
-
-    def __init__(self, gate: Gate, replaced: str) -> None:
-        super().__init__(gate, replaced)
-        self.always_called: dict[int, bool] | None = None  # the module's, once the hook is placed
-        self.plain_key: int | None = None  # this hook's key there, where the pair it replaced was plain
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        if self.plain_key is None or self.always_called is None:
-            return super().__reduce__()
-        loaded = (_ByName(self.replaced), _KeyTakenOut(self.always_called, self.plain_key))
-        # Unpickles as (resolve_name(replaced), always_called.pop(key, None))[0]: the function, with the
-        # key taken out on the way, and nothing of this package needed to load it.
-        return (operator.getitem, (loaded, 0))
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> LeaveHook:
-        copied = LeaveHook(copy.deepcopy(self.gate, memo), self.replaced)
-        copied.always_called = copy.deepcopy(self.always_called, memo)  # the copied module's
-        copied.plain_key = self.plain_key
-        return copied
-
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        try:
-            self.gate.holds.pop()
-        except IndexError:  # no hold on this thread here (or reset() forgot it just now)
+# --- the hooks -------------------------------------------------------------------------------------------
+def enter(module: torch.nn.Module) -> None:
+    """The pre-hook: take the module over if that is still to do, then take one hold for it."""
+    key = id(module)
+    if key not in _taken_over:
+        taken = take_over(module)
+        if not taken:
+            P._cache_enabled += 1  # as the library's own hook does; leave() gives it back the same way
             return
-        # cache.give_back(1) written out: a call costs time, and a run of bytecodes with no call in it
-        # is never cut by a switch to another thread (Python 3.10+), as in torch's own P.cached().
-        remaining = P._cache_enabled - 1
-        if remaining > 0:
-            P._cache_enabled = remaining
-        else:
-            P._cache_enabled = 0
-            P._cache = {}
+    holds = _local.holds
+    held = holds.get(key)
+    if held is None:
+        held = holds[key] = []
+    elif held:  # entered again on this thread: its earlier call ended by Ctrl-C, or is calling itself
+        _give_back_all(held)
+    P._cache_enabled += 1
+    held.append(next(tickets))
 
 
-def enter_hook(module: torch.nn.Module) -> EnterHook | None:
-    """The pre-hook of the gate on ``module``, if it has one."""
-    for hook in module._forward_pre_hooks.values():
-        if isinstance(hook, EnterHook):
-            return hook
-    return None
+def leave(module: torch.nn.Module) -> None:
+    """The forward hook: give back this thread's latest hold for the module."""
+    held = _local.holds.get(id(module))
+    if not held:
+        _leave_without_hold(module)
+        return
+    held.pop()
+    _give_back(1)
 
 
-def new_hooks(enable_replaced: str, disable_replaced: str) -> tuple[EnterHook, LeaveHook]:
-    """A fresh gate's two hooks, standing in for the functions named (``"module:name"``)."""
-    gate = Gate()
-    return EnterHook(gate, enable_replaced), LeaveHook(gate, disable_replaced)
+def _give_back(count: int) -> None:
+    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0."""
+    remaining = P._cache_enabled - count
+    if remaining > 0:
+        P._cache_enabled = remaining
+    else:
+        P._cache_enabled = 0
+        P._cache = {}
+
+
+def _give_back_all(held: list[int]) -> None:
+    """Give back every hold of this thread for one module. In a module that calls itself, the inner call
+    gives back the outer one's, which then reads its weights again (more dequantization, never a leak)."""
+    count = len(held)
+    held.clear()
+    _give_back(count)
+
+
+def _leave_without_hold(module: torch.nn.Module) -> None:
+    """No hold to give back: none was taken (an earlier pre-hook raised), it was given back early, or
+    the forward began before the fix turned on. Only in that last case is its off hook still plain (torch
+    calls a plain one only after the forward and its pre-hooks ran), and the library's +1 is given back."""
+    always = module._forward_hooks_always_called
+    ours = [key for key, hook in module._forward_hooks.items() if _is_disable(hook)]
+    if ours and ours[-1] not in always:
+        _give_back(1)
+
+
+# --- taking a module over ------------------------------------------------------------------------------
+def _is_enable(hook: object) -> bool:
+    return any(hook is enable for enable, _ in PAIRS)
+
+
+def _is_disable(hook: object) -> bool:
+    return any(hook is disable for _, disable in PAIRS)
+
+
+def _disable_of(enable: object) -> FunctionType:
+    return next(disable for each, disable in PAIRS if each is enable)
+
+
+def take_over(module: torch.nn.Module) -> bool:
+    """Make the module hold one pair of the libraries' hook functions, its off hook always called, in the
+    places of the first enable and the last disable hook (every other hook keeps its place); returns
+    whether it holds such a pair now. Never raises."""
+    try:
+        with _lock:
+            return _fold(module)
+    except Exception:  # hook dictionaries that do not look as torch's: the library's own behaviour
+        return False
+
+
+def _fold(module: torch.nn.Module) -> bool:
+    pre_hooks = module._forward_pre_hooks
+    enables = [key for key, hook in pre_hooks.items() if _is_enable(hook)]
+    if not enables:
+        return False
+    post_hooks = module._forward_hooks
+    always = module._forward_hooks_always_called
+    disables = [key for key, hook in post_hooks.items() if _is_disable(hook)]
+    for key in enables[1:]:
+        del pre_hooks[key]
+        module._forward_pre_hooks_with_kwargs.pop(key, None)
+    for key in disables[:-1]:
+        del post_hooks[key]
+        module._forward_hooks_with_kwargs.pop(key, None)
+        always.pop(key, None)
+    if disables:
+        always[disables[-1]] = True
+    else:
+        module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
+    key = id(module)
+    _taken_over[key] = weakref.ref(module, lambda _, key=key: _collected(key))  # type: ignore[misc]
+    return True
+
+
+def _collected(key: int) -> None:
+    """A module taken over is gone: give back every thread's holds for it."""
+    _taken_over.pop(key, None)
+    for holds in list(_EVERY_THREAD.values()):
+        _give_back_all(holds.pop(key, []))
+
+
+def holds_a_pair(module: torch.nn.Module) -> bool:
+    """Whether one of the module's pre-hooks is a hook function the fix gave its code."""
+    return any(_is_enable(hook) for hook in module._forward_pre_hooks.values())
+
+
+def is_taken_over(module: torch.nn.Module) -> bool:
+    return id(module) in _taken_over
+
+
+def covered() -> list[torch.nn.Module]:
+    """The modules taken over that are alive."""
+    modules = (ref() for ref in list(_taken_over.values()))
+    return [module for module in modules if module is not None]
+
+
+# --- for the safety nets, repair and reset --------------------------------------------------------------
+def give_back_since(ticket: int) -> int:
+    """Give back this thread's holds taken after ``ticket`` (a safety net's own); returns how many."""
+    given = 0
+    for held in list(_local.holds.values()):
+        while held and held[-1] > ticket:
+            held.pop()
+            given += 1
+    _give_back(given)
+    return given
+
+
+def held_by_every_thread() -> int:
+    """How many holds the hooks of the fix keep, on every thread."""
+    return sum(holds.count() for holds in list(_EVERY_THREAD.values()))
+
+
+def forget_every_hold() -> None:
+    """Every thread forgets its holds, giving nothing back (the counter was reset, or the fix is leaving)."""
+    for holds in list(_EVERY_THREAD.values()):
+        holds.clear()
+
+
+def reset() -> int:
+    """Counter to 0 and the cache emptied, whoever holds it, every hold forgotten; returns the holds."""
+    forget_every_hold()
+    return cache.release_all()
+
+
+# --- the code the libraries' hook functions get (patch.py) ------------------------------------------------
+# Each calls the function above through a default argument: the code runs with the library's module as
+# its globals, so it must name no global at all (tests/test_gate.py checks that).
+def enable_code(module: Any, inputs: Any, _enter: Any = enter) -> None:
+    _enter(module)
+
+
+def disable_code(module: Any, inputs: Any, output: Any, _leave: Any = leave) -> None:
+    _leave(module)

@@ -161,8 +161,8 @@ def run_python(
 
 # Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.
 WITHOUT_STARTUP_HOOK = """
-import sys
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "bnb_gc_fix_watcher", False)]
+import sys, _bnb_gc_fix
+sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _bnb_gc_fix.Watcher)]
 """
 
 # What tests/scenarios' helpers need: `sys` and `json` imported, and the folder importable (quantized, ...).
@@ -332,6 +332,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def startup_hook_installed() -> None:
     """The suite tests the real start-up hook: the package must be installed (pip install -e .)."""
-    result = run_code("import sys; print('_bnb_gc_fix.startup' in sys.modules)")
+    result = run_code("import sys; print('_bnb_gc_fix' in sys.modules)")
     if result.stdout.strip() != "True":
-        pytest.fail("bnb_gc_fix.pth was not processed at start-up: install the package (pip install -e .)")
+        pytest.fail("zz_bnb_gc_fix.pth was not processed at start-up: install the package (pip install -e .)")

@@ -1,4 +1,4 @@
-"""Hugging Face integration: a ``TrainerCallback`` that runs the leak guard at every step end.
+"""Hugging Face: a ``TrainerCallback`` that puts a safety net around every training step.
 
 Works with ``transformers.Trainer`` and TRL's trainers (importing ``bnb_gc_fix`` never imports this)::
 
@@ -12,24 +12,34 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from _bnb_gc_fix import cache
-from bnb_gc_fix.guard import check_and_release
+from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
+from bnb_gc_fix.nets import Span
 
 
 class LeakGuardCallback(TrainerCallback):
-    """Run :func:`bnb_gc_fix.guard.check_and_release` at each step's end (``strict=True``: a
-    :class:`bnb_gc_fix.CacheLeakError` stops the run); ``released`` counts the holds released."""
+    """``bnb_gc_fix.guard()`` from ``on_step_begin`` to ``on_step_end``, its reports naming the step;
+    ``strict=True`` stops the run with :class:`bnb_gc_fix.CacheLeakError` where holds stay."""
 
     def __init__(self, strict: bool = False) -> None:
         self.strict = strict
-        self.released = 0
-        self._start = 0
+        self.given_back = 0
+        self._span: Span | None = None
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        self._start = cache.counter()
+        self._span = Span.begin()
         return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-        where = f"step {getattr(state, 'global_step', '?')}"
-        self.released += check_and_release(strict=self.strict, start=self._start, where=where)
+        span, self._span = self._span, None
+        if span is None:
+            return control
+        ending = span.end()
+        self.given_back += ending.given_back
+        if ending.clean:
+            return control
+        message = "bnb_gc_fix: " + ending.report(f"step {getattr(state, 'global_step', '?')}")
+        logger.warning("%s", message)
+        if self.strict and ending.left:
+            raise CacheLeakError(message, ending.left, ending.cached_bytes)
+        warn(message, CacheLeakWarning, every_time=True)
         return control

@@ -32,5 +32,5 @@ def finish(summary: dict[str, Any]) -> None:
     summary["bnb_gc_fix_imported"] = fix is not None
     if fix is not None:
         status = fix.status()
-        summary.update(active=status.active, via=status.via, reason=status.reason, state=status.state)
+        summary.update(state=status.state, reason=status.reason, turned_on_by=status.turned_on_by)
     emit({"summary": summary})

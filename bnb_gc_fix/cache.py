@@ -1,0 +1,51 @@
+"""torch's parametrization cache, read and released without importing torch.
+
+``P._cache_enabled`` counts the holds on the cache (it is on while the count is not 0, below 0 included)
+and ``P._cache`` keeps what parametrizations compute while it is on. Before torch's parametrize module is
+imported nothing can be held, and every function here reads 0 or does nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+PARAMETRIZE = "torch.nn.utils.parametrize"
+
+
+def parametrize() -> Any:
+    """torch's parametrize module, or None while nothing has imported it."""
+    return sys.modules.get(PARAMETRIZE)
+
+
+def counter() -> int:
+    return int(getattr(parametrize(), "_cache_enabled", 0))
+
+
+def cached_bytes() -> int:
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    values = getattr(parametrize(), "_cache", {}).values()
+    return sum(v.numel() * v.element_size() for v in values if tensor is not None and isinstance(v, tensor))
+
+
+def give_back(count: int) -> None:
+    """Take ``count`` holds off the counter, never below 0; the cache is emptied at 0."""
+    module = parametrize()
+    if module is None:
+        return
+    remaining = module._cache_enabled - count
+    if remaining > 0:
+        module._cache_enabled = remaining
+    else:
+        module._cache_enabled = 0
+        module._cache = {}
+
+
+def release_all() -> int:
+    """Counter to 0 and the cache emptied, whoever holds it; returns how many holds there were."""
+    before = max(counter(), 0)
+    module = parametrize()
+    if module is not None:
+        module._cache_enabled = 0
+        module._cache = {}
+    return before
