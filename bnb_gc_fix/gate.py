@@ -116,12 +116,14 @@ def _give_back_all(held: list[int]) -> None:
 
 
 def _leave_without_hold(module: torch.nn.Module) -> None:
-    """No hold to give back: none was taken (an earlier pre-hook raised), it was given back early, or
-    the forward began before the fix turned on. Only in that last case is its off hook still plain (torch
-    calls a plain one only after the forward and its pre-hooks ran), and the library's +1 is given back."""
-    always = module._forward_hooks_always_called
-    ours = [key for key, hook in module._forward_hooks.items() if _is_disable(hook)]
-    if ours and ours[-1] not in always:
+    """No hold to give back: none was taken (an earlier pre-hook raised), it was given back early, or the
+    forward began before the fix turned on. Only in that last case is the module's off hook still plain
+    (torch calls a plain one only after the forward and its pre-hooks ran), and the library's +1 is given
+    back, as it is for a direct call on something that holds no off hook of the library at all."""
+    always = getattr(module, "_forward_hooks_always_called", {})
+    hooks = getattr(module, "_forward_hooks", {})
+    ours = [key for key, hook in hooks.items() if _is_disable(hook)]
+    if not ours or ours[-1] not in always:
         _give_back(1)
 
 

@@ -53,13 +53,13 @@ P._cache["key"] = torch.ones(1)
 for _ in range(3):
     parametrize._disable_parametrization_cache(module, (), None)  # called directly, as a user might
     seen.append([int(P._cache_enabled), len(P._cache)])
-print(json.dumps({"seen": seen, "active": bnb_gc_fix.status().active}))
+print(json.dumps({"seen": seen, "on": bnb_gc_fix.status().on}))
 """
 
 
 def test_clamp_runs_bitsandbytes_own_function_above_zero_and_stops_at_zero() -> None:
     out = run_code(CLAMP, prelude="scenarios", switch=FIX).last_json
-    assert out["active"] is True
+    assert out["on"] is True
     # 2 -> 1 (its own function ran: the cache kept), 1 -> 0 (emptied), 0 -> 0 (clamped, still empty).
     assert out["seen"] == [2, [1, 1], [0, 0], [0, 0]]
 
@@ -70,7 +70,7 @@ def test_clamp_control_goes_below_zero_on_an_affected_bitsandbytes() -> None:
     # a fixed one (0.50 clamps it itself); the cache is empty either way.
     third = [-1, 0] if AFFECTED else [0, 0]
     assert out["seen"] == [2, [1, 1], [0, 0], third]
-    assert out["active"] is False
+    assert out["on"] is False
 
 
 # --- reset() forgets every gate's holds ---------------------------------------------------------

@@ -1,40 +1,44 @@
-"""The liveness rule over random programs on two interleaved threads (Hypothesis), in one interpreter.
+"""The holds rule and the safety nets' rule over random programs on two interleaved threads (Hypothesis).
 
     python tests/scenarios/gate_property.py [--examples N]
 
-Each of two threads runs a program of top-level steps, each step inside ``bnb_gc_fix.guard()`` (the
-safety net around a training step). A step is a tree of calls of a few 4-bit quantized modules: nested
-and sibling calls, a module calling itself (directly or through others), non-reentrant checkpointed
-regions whose backward recompute stops early, ``P.cached()`` blocks, ``Exception`` and
-``BaseException`` raised at random points and caught at random levels, and yields. A yield hands the
-turn to the other thread (one thread runs at a time, so every interleaving is the program's own and
-the same on every run): a call or a ``P.cached()`` block can stay open on one thread while the other
-runs.
+Each of two threads runs a program of top-level steps, each inside ``bnb_gc_fix.guard()``. A step is a
+tree of calls of a few 4-bit quantized modules (nested, sibling, a module calling itself), compiled calls
+(``torch.compile``, ``backend="eager"``) with a strict guard inside their forward, non-reentrant
+checkpointed regions whose recompute stops early, ``P.cached()`` blocks (some left open past the step's
+guard, closed at the thread's next step), guards entered inside a forward (some strict), ``reset()`` and
+bitsandbytes' own off function called inside a forward, ``repair()``, ``Exception`` and
+``BaseException`` raised at random points and caught at random levels, and yields. A yield hands the turn
+to the other thread (one runs at a time, so every interleaving is the program's own, the same on every
+run). The second thread is started with ``_thread.start_new_thread`` in half the examples (such threads
+are not counted by ``threading.active_count()``).
 
-An oracle tracks what the counter must be: one hold per call still running and per open ``P.cached()``
-block, on either thread, plus the holds a ``BaseException`` left on the thread that is not at the end of
-a step (the module's next call on that thread gives them back, and the guard at the end of each step
-gives back what is left of its own thread's). After every caught exit, every yield and every step: the
-counter is never negative, it equals the oracle, and the cache is empty at zero. At the end the counter
-is 0.
+An oracle follows every hold: one per call still holding it and per open ``P.cached()`` block, and the
+holds a ``BaseException`` left. After every event the counter must never be negative and must equal the
+oracle, and the cache be empty at zero. Every guard must give back exactly the holds left inside its span
+on its thread, report exactly how far the counter stays above where it was when its span began (nothing
+where nothing is), and raise ``CacheLeakError`` (strict) exactly when it stays above; ``repair()`` must
+refuse exactly while holds not taken by the fix's hooks exist (open ``P.cached()`` blocks here).
 
-Exits 0 when the property holds; otherwise Hypothesis prints the smallest falsifying program and the
-exit status is 1 (the control, with the fix switched off, must fail: the guard cannot tell there which
-thread a hold left by bitsandbytes' plain pair belongs to while the other thread runs).
+Exits 0 when the property holds; otherwise Hypothesis prints the smallest falsifying program and the exit
+status is 1 (the control, with the fix switched off, must fail).
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
+import logging
+import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.utils.parametrize as P
+from bitsandbytes.nn import parametrize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -58,6 +62,7 @@ class Failure(Exception):  # noqa: N818  (the program's own, as Interrupt)
     """An Exception of the program's own: torch runs always-called forward hooks."""
 
 
+# --- the programs -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Call:
     module: int
@@ -66,8 +71,25 @@ class Call:
 
 
 @dataclass(frozen=True)
+class CompiledCall:
+    module: int  # called through torch.compile(backend="eager"); a strict guard inside its forward
+    raising: str | None  # None, "exception" or "base": raised at the end of its forward, caught by the caller
+
+
+@dataclass(frozen=True)
 class Cached:
     body: tuple[Step, ...]  # run inside `with P.cached():`
+
+
+@dataclass(frozen=True)
+class OpenCached:
+    """Open a ``P.cached()`` block that stays open past the step's guard, until the thread's next step."""
+
+
+@dataclass(frozen=True)
+class Guarded:
+    body: tuple[Step, ...]
+    strict: bool
 
 
 @dataclass(frozen=True)
@@ -81,24 +103,80 @@ class Checkpointed:
 
 
 @dataclass(frozen=True)
+class Reset:
+    """``bnb_gc_fix.reset()``, where no ``P.cached()`` block is open (it would go below zero at its exit)."""
+
+
+@dataclass(frozen=True)
+class StrayOff:
+    """bitsandbytes' own off function called directly with the innermost running call's module."""
+
+
+@dataclass(frozen=True)
+class Repair:
+    """``bnb_gc_fix.repair()`` of every module."""
+
+
+@dataclass(frozen=True)
 class Yield:
     """Hand the turn to the other thread, and wait for it to come back."""
 
 
-Step = Union[Call, Cached, Raise, Checkpointed, Yield]
+Step = Union[
+    Call, CompiledCall, Cached, OpenCached, Guarded, Raise, Checkpointed, Reset, StrayOff, Repair, Yield
+]
+
+
+def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
+    module = st.integers(0, MODULES - 1)
+    catch = st.sampled_from([None, "exception", "any"])
+    leaf: st.SearchStrategy[Step] = st.one_of(
+        st.builds(Raise, base=st.booleans()),
+        st.builds(Checkpointed, module=module),
+        st.builds(CompiledCall, module=module, raising=st.sampled_from([None, "exception", "base"])),
+        st.builds(Yield),
+        st.builds(OpenCached),
+        st.builds(Reset),
+        st.builds(StrayOff),
+        st.builds(Repair),
+        st.builds(Call, module=module, body=st.just(()), catch=catch),
+    )
+
+    def extend(inner: st.SearchStrategy[Step]) -> st.SearchStrategy[Step]:
+        bodies = st.lists(inner, max_size=3).map(tuple)
+        calls = st.builds(Call, module=module, body=bodies, catch=catch)
+        guards = st.builds(Guarded, body=bodies, strict=st.booleans())
+        return st.one_of(calls, st.builds(Cached, body=bodies), guards)
+
+    step = st.lists(st.recursive(leaf, extend, max_leaves=8), min_size=1, max_size=3).map(tuple)
+    return st.lists(step, min_size=1, max_size=3).map(tuple)
+
+
+# --- the oracle -------------------------------------------------------------------------------------
+@dataclass
+class Running:
+    module: int
+    hold: Optional[int]  # the hold's number; None once given back
 
 
 @dataclass
 class Oracle:
-    """What the counter must be: per thread, the calls running and the open ``P.cached()`` blocks, and
-    the holds BaseExceptions left, by module."""
+    """Every hold: per thread, the calls running, the holds BaseExceptions left, the open P.cached()
+    blocks. Holds are numbered in the order they are taken, as the fix's tickets are."""
 
-    live: list[int] = field(default_factory=lambda: [0] * THREADS)
-    stale: list[dict[int, int]] = field(default_factory=lambda: [{} for _ in range(THREADS)])
+    calls: list[list[Running]] = field(default_factory=lambda: [[] for _ in range(THREADS)])
+    left: list[list[tuple[int, int]]] = field(default_factory=lambda: [[] for _ in range(THREADS)])
+    cached: list[int] = field(default_factory=lambda: [0] * THREADS)
+    taken: int = 0
     failures: list[str] = field(default_factory=list)
 
+    def number(self) -> int:
+        self.taken += 1
+        return self.taken
+
     def expected(self) -> int:
-        return sum(self.live) + sum(sum(left.values()) for left in self.stale)
+        holding = sum(call.hold is not None for calls in self.calls for call in calls)
+        return holding + sum(len(left) for left in self.left) + sum(self.cached)
 
     def check(self, where: str) -> None:
         counter = int(P._cache_enabled)
@@ -106,13 +184,85 @@ class Oracle:
         if counter < 0:
             problems.append("negative")
         if counter != self.expected():
-            problems.append(f"expected {self.expected()} (live {self.live}, stale {self.stale})")
+            held = f"calls {self.calls}, left {self.left}, cached {self.cached}"
+            problems.append(f"expected {self.expected()} ({held})")
         if counter == 0 and P._cache:
             problems.append(f"{len(P._cache)} cache entries at zero")
         if problems:
             self.failures.append(f"{where}: counter {counter}: {', '.join(problems)}")
 
+    def enter(self, me: int, module: int) -> Running:
+        """A call of ``module`` starts on thread ``me``: every hold of this thread for it is given back."""
+        for call in self.calls[me]:
+            if call.module == module:
+                call.hold = None
+        self.left[me] = [(m, number) for m, number in self.left[me] if m != module]
+        running = Running(module, self.number())
+        self.calls[me].append(running)
+        return running
 
+    def leave(self, me: int, running: Running, base: bool) -> None:
+        """The call ends. A BaseException leaves its hold behind; otherwise its forward hook gives back the
+        latest hold of this thread for its module: its own, or, where a deeper call of the same module took
+        that over, the one that deeper call left when a BaseException ended it."""
+        self.calls[me].remove(running)
+        if base:
+            if running.hold is not None:
+                self.left[me].append((running.module, running.hold))
+            return
+        if running.hold is None:
+            mine = [hold for hold in self.left[me] if hold[0] == running.module]
+            if mine:
+                self.left[me].remove(max(mine, key=lambda hold: hold[1]))
+
+    def stray_off(self, me: int, module: int) -> None:
+        """The off function called for ``module``: this thread's latest hold for it goes."""
+        holds: list[tuple[int, Running | None]] = [
+            (call.hold, call) for call in self.calls[me] if call.module == module and call.hold is not None
+        ]
+        holds += [(number, None) for m, number in self.left[me] if m == module]
+        if not holds:
+            return
+        number, call = max(holds, key=lambda hold: hold[0])
+        if call is not None:
+            call.hold = None
+        else:
+            self.left[me].remove((module, number))
+
+    def reset(self) -> None:
+        for calls in self.calls:
+            for call in calls:
+                call.hold = None
+        for left in self.left:
+            left.clear()
+
+    def span_end(self, me: int, start: int) -> int:
+        """A safety net's span on thread ``me`` ends: it gives back the holds left there since ``start``."""
+        mine = [hold for hold in self.left[me] if hold[1] > start]
+        self.left[me] = [hold for hold in self.left[me] if hold[1] <= start]
+        return len(mine)
+
+
+class Reports(logging.Handler):
+    """The safety nets' reports, by thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_thread: dict[int, list[str]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.by_thread.setdefault(threading.get_ident(), []).append(record.getMessage())
+
+    def take(self) -> list[str]:
+        return self.by_thread.pop(threading.get_ident(), [])
+
+
+def _reported(message: str, words: str) -> int:
+    found = re.search(words, message)
+    return int(found.group(1)) if found else 0
+
+
+# --- running the programs ---------------------------------------------------------------------------
 class Turns:
     """One thread runs at a time; a yield hands the turn to the other thread while it has work."""
 
@@ -142,7 +292,8 @@ class Turns:
 
 
 class Node(nn.Module):
-    """A quantized module whose forward runs the program steps it is given."""
+    """A quantized module whose forward runs the program steps it is given (eager), or, compiled, a
+    strict guard around a computation and maybe a raise."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -150,10 +301,18 @@ class Node(nn.Module):
         self.names = ["w0"]
         self.w0 = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.1)
 
-    def forward(self, x: Any, run_body: Callable[[], None] | None = None) -> Any:
+    def forward(self, x: Any, run_body: Callable[[], None] | None = None, raising: str | None = None) -> Any:
         y = torch.tanh(x @ self.w0.t())
         if run_body is not None:
             run_body()
+        if raising is None:
+            return y
+        with bnb_gc_fix.guard(strict=True):  # nothing is left inside its span: it must never raise
+            y = y * 2
+        if raising == "base":
+            raise Interrupt()
+        if raising == "exception":
+            raise Failure()
         return y
 
 
@@ -162,51 +321,141 @@ class World:
     oracle: Oracle
     turns: Turns
     nodes: list[Node]
-
-
-def _enter(world: World, me: int, module: int) -> None:
-    """A call of ``module`` on thread ``me`` starts: its pre-hook gives back what BaseExceptions left."""
-    world.oracle.stale[me].pop(module, None)
+    compiled: list[Any]
+    reports: Reports
+    innermost: list[list[int]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # running calls
+    opened: list[list[Any]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # OpenCached blocks
 
 
 def call(world: World, me: int, step: Call, x: Any) -> None:
     oracle = world.oracle
-    _enter(world, me, step.module)
-    oracle.live[me] += 1
+    running = oracle.enter(me, step.module)
+    world.innermost[me].append(step.module)
     try:
         world.nodes[step.module](x, lambda: run(world, me, step.body, x))
     except Failure:
-        oracle.live[me] -= 1  # the always-called hook gave it back
+        oracle.leave(me, running, base=False)  # the always-called hook gave it back
         if step.catch is None:
             raise
         oracle.check("caught a Failure")
         return
     except Interrupt:
-        oracle.live[me] -= 1
-        oracle.stale[me][step.module] = oracle.stale[me].get(step.module, 0) + 1  # no hook ran
+        oracle.leave(me, running, base=True)  # no hook ran
         if step.catch != "any":
             raise
         oracle.check("caught an Interrupt")
         return
-    oracle.live[me] -= 1
+    finally:
+        world.innermost[me].pop()
+    oracle.leave(me, running, base=False)
+
+
+def compiled_call(world: World, me: int, step: CompiledCall, x: Any) -> None:
+    oracle = world.oracle
+    running = oracle.enter(me, step.module)
+    oracle.number()  # the guard inside takes a ticket
+    base = False
+    try:
+        world.compiled[step.module](x, None, step.raising or "none")
+    except Failure:
+        pass
+    except Interrupt:
+        base = True
+    oracle.leave(me, running, base=base)
+    reports = world.reports.take()
+    if reports:
+        oracle.failures.append(f"a strict guard inside a compiled forward reported {reports}")
+    oracle.check("after a compiled call")
+
+
+def guarded(world: World, me: int, step: Guarded, x: Any) -> None:
+    """A safety net's span, inside a forward or at a step's top: it gives back exactly what was left in
+    it, reports exactly what stays, and raises (strict) exactly when something stays."""
+    oracle = world.oracle
+    world.reports.take()
+    start = oracle.number()
+    before = oracle.expected()
+    raised = None
+    caught: BaseException | None = None
+    try:
+        with bnb_gc_fix.guard(strict=step.strict):
+            run(world, me, step.body, x)
+    except bnb_gc_fix.CacheLeakError as error:
+        raised = error
+    except (Failure, Interrupt) as error:
+        caught = error
+    given = oracle.span_end(me, start)
+    stays = max(oracle.expected() - before, 0)
+    reports = world.reports.take()
+    oracle.check("after a guard")
+    if given or stays:
+        if len(reports) != 1:
+            oracle.failures.append(f"guard: {reports} where it gave back {given} and {stays} stay")
+        else:
+            said = (
+                _reported(reports[0], r"gave back (\d+) holds"),
+                _reported(reports[0], r"stays (\d+) above"),
+            )
+            if said != (given, stays):
+                oracle.failures.append(f"guard said {said}, the oracle {(given, stays)}: {reports[0]}")
+    elif reports:
+        oracle.failures.append(f"guard reported {reports} where nothing was left")
+    should_raise = step.strict and stays > 0 and caught is None
+    if (raised is not None) != should_raise:
+        oracle.failures.append(f"guard(strict={step.strict}) raised {raised!r}, {stays} stay")
+    if caught is not None:
+        raise caught
 
 
 def cached(world: World, me: int, step: Cached, x: Any) -> None:
     with P.cached():
-        world.oracle.live[me] += 1
+        world.oracle.cached[me] += 1
         try:
             run(world, me, step.body, x)
         finally:
-            world.oracle.live[me] -= 1  # the block's exit gives its hold back, however it is left
+            world.oracle.cached[me] -= 1  # the block's exit gives its hold back, however it is left
 
 
 def checkpointed(world: World, me: int, step: Checkpointed, x: Any) -> None:
-    _enter(world, me, step.module)
+    oracle = world.oracle
+    forward = oracle.enter(me, step.module)
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
         out = checkpoint(world.nodes[step.module], leaf, use_reentrant=False)
+        oracle.leave(me, forward, base=False)
+        recompute = oracle.enter(me, step.module)
         out.sum().backward()  # the recompute's forward is stopped early by an exception inside it
-    world.oracle.check("after a checkpointed forward and its backward")
+        oracle.leave(me, recompute, base=False)
+    oracle.check("after a checkpointed forward and its backward")
+
+
+def reset(world: World) -> None:
+    if sum(world.oracle.cached):
+        return  # a P.cached() block's exit would go below zero after it: not a program to write
+    bnb_gc_fix.reset()
+    world.oracle.reset()
+    world.oracle.check("after reset()")
+
+
+def stray_off(world: World, me: int) -> None:
+    if not world.innermost[me]:
+        return
+    module = world.innermost[me][-1]
+    parametrize._disable_parametrization_cache(world.nodes[module], (), None)
+    world.oracle.stray_off(me, module)
+    world.oracle.check("after bitsandbytes' off function called directly")
+
+
+def repair(world: World) -> None:
+    others = sum(world.oracle.cached)  # holds the fix's hooks did not take
+    try:
+        bnb_gc_fix.repair(nn.ModuleList(world.nodes))
+        refused = False
+    except RuntimeError:
+        refused = True
+    if refused != (others > 0):
+        world.oracle.failures.append(f"repair() refused: {refused}, with {others} holds not the fix's")
+    world.oracle.check("after repair()")
 
 
 def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
@@ -218,57 +467,66 @@ def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
             world.oracle.check("back from the other thread")
         elif isinstance(step, Call):
             call(world, me, step, x)
+        elif isinstance(step, CompiledCall):
+            compiled_call(world, me, step, x)
         elif isinstance(step, Cached):
             cached(world, me, step, x)
-        else:
+        elif isinstance(step, OpenCached):
+            world.opened[me].append(P.cached())
+            world.opened[me][-1].__enter__()
+            world.oracle.cached[me] += 1
+        elif isinstance(step, Guarded):
+            guarded(world, me, step, x)
+        elif isinstance(step, Checkpointed):
             checkpointed(world, me, step, x)
+        elif isinstance(step, Reset):
+            reset(world)
+        elif isinstance(step, StrayOff):
+            stray_off(world, me)
+        else:
+            repair(world)
 
 
-def thread_program(world: World, me: int, steps: tuple[tuple[Step, ...], ...]) -> None:
-    """Each top-level step guarded; what a BaseException left on this thread is gone after its guard."""
+def close_opened(world: World, me: int) -> None:
+    while world.opened[me]:
+        world.opened[me].pop().__exit__(None, None, None)
+        world.oracle.cached[me] -= 1
+    world.oracle.check("after closing the blocks the last step left open")
+
+
+def thread_program(world: World, me: int, steps: tuple[tuple[Step, ...], ...], finished: Any) -> None:
     x = torch.randn(2, WIDTH)
     world.turns.wait(me)
     try:
         for step in steps:
+            close_opened(world, me)
             try:
-                with bnb_gc_fix.guard():
-                    run(world, me, step, x)
+                guarded(world, me, Guarded(step, strict=False), x)
             except (Failure, Interrupt):
                 pass
-            world.oracle.stale[me].clear()
             world.oracle.check(f"after a step of thread {me}")
+        close_opened(world, me)
+    except BaseException as error:  # the program itself broke: say so, never hang the other thread
+        world.oracle.failures.append(f"thread {me}: {type(error).__name__}: {error}")
     finally:
         world.turns.finish(me)
+        finished.release()
 
 
-def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
-    module = st.integers(0, MODULES - 1)
-    catch = st.sampled_from([None, "exception", "any"])
-    leaf: st.SearchStrategy[Step] = st.one_of(
-        st.builds(Raise, base=st.booleans()),
-        st.builds(Checkpointed, module=module),
-        st.builds(Yield),
-        st.builds(Call, module=module, body=st.just(()), catch=catch),
-    )
-
-    def extend(inner: st.SearchStrategy[Step]) -> st.SearchStrategy[Step]:
-        bodies = st.lists(inner, max_size=3).map(tuple)
-        calls = st.builds(Call, module=module, body=bodies, catch=catch)
-        return st.one_of(calls, st.builds(Cached, body=bodies))
-
-    step = st.lists(st.recursive(leaf, extend, max_leaves=8), min_size=1, max_size=3).map(tuple)
-    return st.lists(step, min_size=1, max_size=3).map(tuple)
-
-
-def check_programs(nodes: list[Node], first: Any, second: Any) -> None:
-    P._cache_enabled = 0
-    P._cache = {}
-    bnb_gc_fix.reset()  # forget holds an earlier example left
-    world = World(oracle=Oracle(), turns=Turns(), nodes=nodes)
-    other = threading.Thread(target=thread_program, args=(world, 1, second))
-    other.start()
-    thread_program(world, 0, first)
-    other.join()
+def check_programs(world: World, first: Any, second: Any, raw_thread: bool) -> None:
+    bnb_gc_fix.reset()  # forget what an earlier example left
+    world.oracle = Oracle()
+    world.turns = Turns()
+    world.reports.take()
+    finished = [threading.Lock(), threading.Lock()]
+    for lock in finished:
+        lock.acquire()
+    if raw_thread:
+        _thread.start_new_thread(thread_program, (world, 1, second, finished[1]))
+    else:
+        threading.Thread(target=thread_program, args=(world, 1, second, finished[1])).start()
+    thread_program(world, 0, first, finished[0])
+    finished[1].acquire()
     world.oracle.check("at the end")
     assert not world.oracle.failures, "\n".join(world.oracle.failures)
     assert int(P._cache_enabled) == 0
@@ -280,7 +538,14 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     nodes = [quantize(Node(i)) for i in range(MODULES)]  # type: ignore[arg-type]
-    warnings.simplefilter("ignore")  # the guard's reports: the oracle checks what they say
+    for limit in ("recompile_limit", "cache_size_limit"):  # a variant for each node and way of raising
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, 64)
+    compiled = [torch.compile(node, backend="eager") for node in nodes]
+    reports = Reports()
+    logging.getLogger("bnb_gc_fix").addHandler(reports)
+    warnings.simplefilter("ignore")  # the guards' warnings: their log records are checked instead
+    world = World(oracle=Oracle(), turns=Turns(), nodes=nodes, compiled=compiled, reports=reports)
 
     @settings(
         max_examples=args.examples,
@@ -289,14 +554,15 @@ def main() -> int:
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         database=None,
     )
-    @given(programs(), programs())
-    def prop(first: Any, second: Any) -> None:
-        check_programs(nodes, first, second)
+    @given(programs(), programs(), st.booleans())
+    def prop(first: Any, second: Any, raw_thread: bool) -> None:
+        check_programs(world, first, second, raw_thread)
 
     try:
         prop()
     except Exception as error:  # an AssertionError, or Hypothesis' own report of a flaky one
         print(f"PROPERTY FAILED: {type(error).__name__}: {error}")
+        print("\n".join(getattr(error, "__notes__", [])))  # Hypothesis' falsifying example
         return 1
     print(f"PROPERTY HELD over {args.examples} programs")
     return 0
