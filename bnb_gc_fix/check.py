@@ -59,10 +59,10 @@ def _imports() -> tuple[Any, Any]:
     """torch and bitsandbytes' parametrize module, or a CannotRunError that says why not."""
     torch, problem = try_import("torch")
     if torch is None:
-        raise CannotRunError(f"{problem}; install torch and bitsandbytes to run the check")
+        raise CannotRunError(f"{problem}; {_remedy(problem, 'torch')}")
     bitsandbytes, problem = try_import("bitsandbytes")
     if bitsandbytes is None:
-        raise CannotRunError(f"{problem}; the check needs bitsandbytes >= {BITSANDBYTES.first_affected}")
+        raise CannotRunError(f"{problem}; {_remedy(problem, 'bitsandbytes')}")
     parametrize, problem = try_import(BITSANDBYTES.module)
     if parametrize is None:
         version = getattr(bitsandbytes, "__version__", "?")
@@ -71,6 +71,12 @@ def _imports() -> tuple[Any, Any]:
             "there is nothing to check"
         )
     return torch, parametrize
+
+
+def _remedy(problem: str | None, name: str) -> str:
+    if problem is not None and problem.endswith("is not installed"):
+        return f"install it to run the check (bitsandbytes >= {BITSANDBYTES.first_affected})"
+    return f"this is a problem of the {name} installation (its CUDA libraries, for example), not the leak"
 
 
 def _device(torch: Any, asked: str | None) -> str:

@@ -25,8 +25,11 @@ def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one o
 
 
 def _import_the_libraries() -> list[str]:
-    """Import what is installed of the libraries the fix goes into (so it has something to look at);
-    returns what failed to import, and why. Nothing is imported that is not installed."""
+    """Import torch and what is installed of the libraries the fix goes into, so that it has something to
+    look at; returns what failed to import, and why. Nothing is imported that is not installed."""
+    torch, problem = try_import("torch")
+    if torch is None:
+        return [] if problem is None or problem.endswith("is not installed") else [problem]
     problems = []
     for library in LIBRARIES:
         if distribution_version(library.name) is None:

@@ -126,7 +126,7 @@ def _covered(library: Library) -> int:
 def _applied(library: Library) -> bool:
     patch = sys.modules.get("bnb_gc_fix.patch")
     module = sys.modules.get(library.module)
-    return patch is not None and module is not None and bool(patch.is_applied(module, library))
+    return patch is not None and module is not None and bool(patch.is_applied(module))
 
 
 def _where_the_fix_is(library: Library, named: str) -> tuple[str, str]:

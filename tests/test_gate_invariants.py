@@ -1,15 +1,14 @@
-"""The gate's invariant, for every program, and the behaviours each guarded by a test of its own.
+"""The fix's holds rule and the safety nets' rule, for every program, and the behaviours each guarded by a
+test of its own.
 
-The property test runs Hypothesis inside a fresh interpreter (``tests/scenarios/gate_property.py``):
-random programs on two interleaved threads, each step guarded, of nested, sibling and self-calling
-quantized modules, ``P.cached()`` blocks, checkpointed regions whose recompute stops early,
-``Exception`` and ``BaseException`` raised at random points and caught at random levels, and yields to
-the other thread with calls and blocks still open. The counter is never negative and after every step
-equals the holds of calls still running and of open ``P.cached()`` blocks (plus what a
-``BaseException`` left on the other thread, mid-step). Its control, with the fix switched off, must be
-falsified. The tests below it each pin one behaviour that a one-line edit of the gate could break
-(a mutation pass found two such edits that no test killed: the clamp skipping bitsandbytes' own
-function above zero, and ``reset()`` keeping the gates' holds).
+The property test runs Hypothesis inside a fresh interpreter (``tests/scenarios/gate_property.py``, whose
+docstring lists what its random programs do on two interleaved threads): the counter is never negative
+and always equals the holds of calls still holding and of open ``P.cached()`` blocks, and every safety
+net gives back, reports and raises exactly what an oracle says. Its control, with the fix switched off,
+must be falsified. A mutation of the span rule (a net giving back any rise, or every hold of its thread),
+of the re-entry rule, or of the rule for an off hook without a hold is falsified too. The tests below it
+each pin one behaviour that the property does not reach: the clamp (a direct call of bitsandbytes' off
+function never goes below zero), and ``reset()`` forgetting the fix's holds.
 """
 
 from __future__ import annotations
