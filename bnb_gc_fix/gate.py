@@ -77,10 +77,9 @@ def enter(module: torch.nn.Module) -> None:
         if not taken:
             P._cache_enabled += 1  # as the library's own hook does; leave() gives it back the same way
             return
-    holds = _local.holds
-    held = holds.get(key)
+    held = _local.holds.get(key)  # no name for the thread's holds: a forked child must be able to drop them
     if held is None:
-        held = holds[key] = []
+        held = _local.holds.setdefault(key, [])
     elif held:  # entered again on this thread: its earlier call ended by Ctrl-C, or is calling itself
         _give_back_all(held)
     P._cache_enabled += 1
@@ -93,12 +92,14 @@ def leave(module: torch.nn.Module) -> None:
     if not held:
         _leave_without_hold(module)
         return
-    held.pop()
     _give_back(1)
+    held.pop()
 
 
 def _give_back(count: int) -> None:
-    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0."""
+    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0. Called before
+    the holds are dropped from their list: a fork in between leaves the child a hold too many, which it
+    gives back clamped, never one too few."""
     remaining = P._cache_enabled - count
     if remaining > 0:
         P._cache_enabled = remaining
@@ -110,9 +111,8 @@ def _give_back(count: int) -> None:
 def _give_back_all(held: list[int]) -> None:
     """Give back every hold of this thread for one module. In a module that calls itself, the inner call
     gives back the outer one's, which then reads its weights again (more dequantization, never a leak)."""
-    count = len(held)
+    _give_back(len(held))
     held.clear()
-    _give_back(count)
 
 
 def _leave_without_hold(module: torch.nn.Module) -> None:
@@ -200,12 +200,12 @@ def covered() -> list[torch.nn.Module]:
 # --- for the safety nets, repair and reset --------------------------------------------------------------
 def give_back_since(ticket: int) -> int:
     """Give back this thread's holds taken after ``ticket`` (a safety net's own); returns how many."""
-    given = 0
-    for held in list(_local.holds.values()):
+    lists = list(_local.holds.values())
+    given = sum(sum(taken > ticket for taken in held) for held in lists)
+    _give_back(given)
+    for held in lists:
         while held and held[-1] > ticket:
             held.pop()
-            given += 1
-    _give_back(given)
     return given
 
 

@@ -1,12 +1,12 @@
-"""In company the gate is no worse than the pair it replaces: forks, other hooks, pickles, other threads.
+"""In company the fix is no worse than the pair it replaces: forks, other hooks, copies, other threads.
+
+Pickles: ``test_picklers.py``.
 
 Each scenario runs in fresh interpreters beside its control (``BNB_GC_FIX=0``: bitsandbytes' own plain
 pair). The rule: where the control runs, the fixed run runs too, and ends no worse.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from conftest import AFFECTED, FIX, SCENARIOS, run_code, run_python
@@ -113,72 +113,10 @@ def test_a_monitoring_pre_hook_registered_before_quantizing_leaves_weight_norm_t
     assert control == fixed == {"trained": True, "monitored": 2}
 
 
-# --- pickles --------------------------------------------------------------------------------------
+# --- torch's hook dictionaries ---------------------------------------------------------------------
 
-SAVE = """
-import torch
-import torch.nn.utils.parametrize as P
-import quantized
-module = quantized.make(params=2)
-torch.__future__.set_swap_module_params_on_conversion(True)  # a 4-bit weight becomes a float one
-for name in module.names:  # export float weights: the hooks stay on the module
-    P.remove_parametrizations(module, name, leave_parametrized=True)
-torch.save(module, sys.argv[1])
-"""
-
-# Loading where bnb-gc-fix is not installed: its package cannot be imported at all.
-NOT_INSTALLED = """
-import sys
-class NotInstalled:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "bnb_gc_fix":
-            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
-        return None
-sys.meta_path.insert(0, NotInstalled())
-"""
-
-LOAD = """
-import torch
-import quantized
-module = torch.load(sys.argv[1], weights_only=False)
-counters = quantized.checkpointed_counters(module)
-hooks = sorted({getattr(h, "__module__", "?") for h in module._forward_pre_hooks.values()})
-print(json.dumps({"counters": counters, "hooks": hooks, "fix": "bnb_gc_fix" in sys.modules}))
-"""
-
-
-def _save(path: Path, switch: str | None) -> Path:
-    run_code(SAVE, str(path), prelude="scenarios", switch=switch)
-    return path
-
-
-def _load(path: Path, switch: str | None, before: str = "") -> dict[str, object]:
-    """LOAD on the pickle at ``path``, after the code ``before``."""
-    result = run_code(before + LOAD, str(path), prelude="scenarios", switch=switch)
-    return dict(result.last_json)
-
-
-def test_a_pickled_gated_module_loads_without_the_package_and_is_protected_where_it_is_active(
-    tmp_path: Path,
-) -> None:
-    fixed, control = _save(tmp_path / "fixed.pt", FIX), _save(tmp_path / "control.pt", "0")
-    # Where bnb-gc-fix is not installed, both load, with bitsandbytes' own pair.
-    for path in (fixed, control):
-        loaded = _load(path, "0", before=NOT_INSTALLED)
-        assert loaded["fix"] is False and loaded["hooks"] == ["bitsandbytes.nn.parametrize"]
-        leaks = loaded["counters"]
-        assert isinstance(leaks, list)
-        assert leaks[-1] > leaks[0] > 0 if AFFECTED else leaks == [0, 0, 0]
-    # Where the fix is active, a plain pair (either pickle) becomes the gate at its first forward.
-    for path in (fixed, control):
-        loaded = _load(path, FIX)
-        hooks = loaded["hooks"]
-        assert loaded["counters"] == [0, 0, 0] and isinstance(hooks, list)
-        assert [str(hook).split(".")[0] for hook in hooks] == ["bnb_gc_fix"]  # one pre-hook: the gate's
-
-
-# Scenario 4 of issue 31: a forward hook registered with always_call=True removes its own entry of
-# torch's always-called dictionary, whether it was registered before the module was quantized or after.
+# A forward hook registered with always_call=True removes its own entry of torch's always-called
+# dictionary, whether it was registered before the module was quantized or after.
 HANDLES = """
 import torch
 import quantized
@@ -208,14 +146,13 @@ def test_a_handle_removes_its_always_called_entry_before_and_after_quantization(
     control = run_code(HANDLES, prelude="scenarios", switch="0").last_json
     assert fixed["left"] == control["left"] == []
     assert control["entries"] == ([2, 1] if not AFFECTED else [0, 0])  # bitsandbytes' own, if any
-    assert fixed["entries"] == [1, 1]  # the gate's forward hook, one a module
+    assert fixed["entries"] == [1, 1]  # the fix's forward hook, one a module
     assert fixed["torchs_own"] is control["torchs_own"] is True  # the dictionary is torch's object still
     assert fixed["counters"] == [0] * 6
 
 
-# Module objects that share their hook dictionaries (DataParallel's replicas): one of them
-# converted, the others' forwards are gated as well, since the gate's entries went into the shared
-# dictionaries themselves.
+# Module objects that share their hook dictionaries (DataParallel's replicas): one of them taken over,
+# the others hold one always-called pair too, since the dictionaries themselves were edited.
 SHARED = """
 import torch
 import bnb_gc_fix, quantized
@@ -223,15 +160,20 @@ bnb_gc_fix.deactivate()
 module = quantized.make(params=2)  # bitsandbytes' own plain pairs
 replica = object.__new__(type(module))  # shares the hook dictionaries, as DataParallel's replicas do
 replica.__dict__ = module.__dict__.copy()
-fixed = bnb_gc_fix.repair(replica) if sys.argv[1] == "repair" else 0
-print(json.dumps({"fixed": fixed, "counters": quantized.checkpointed_counters(module)}))
+fixed = 0
+if sys.argv[1] == "on":
+    bnb_gc_fix.activate()
+    fixed = bnb_gc_fix.repair(replica)
+pairs = [len(module._forward_pre_hooks), len(module._forward_hooks_always_called)]
+print(json.dumps({"fixed": fixed, "pairs": pairs, "counters": quantized.checkpointed_counters(module)}))
 """
 
 
-def test_a_gate_put_on_one_of_modules_sharing_their_hook_dictionaries_gates_them_all() -> None:
-    fixed = run_code(SHARED, "repair", prelude="scenarios").last_json
-    control = run_code(SHARED, "no", prelude="scenarios").last_json
-    assert fixed == {"fixed": 1, "counters": [0, 0, 0]}
+def test_taking_over_one_of_modules_sharing_their_hook_dictionaries_takes_over_them_all() -> None:
+    fixed = run_code(SHARED, "on", prelude="scenarios").last_json
+    control = run_code(SHARED, "off", prelude="scenarios").last_json
+    assert fixed == {"fixed": 1, "pairs": [1, 1], "counters": [0, 0, 0]}
+    assert control["pairs"] == [2, 0]
     if AFFECTED:
         assert control["counters"][-1] > control["counters"][0] > 0
 
@@ -244,7 +186,7 @@ clone = copy.deepcopy(module)
 x = torch.randn(2, 64)
 seen = [quantized.interrupted_forward(module, x)]  # the original holds one, stuck
 clone(x)
-seen.append(quantized.counter())  # the clone's gate is its own: it leaves the original's hold alone
+seen.append(quantized.counter())  # the clone's holds are its own: it leaves the original's hold alone
 quantized.interrupted_forward(clone, x)
 clone(x)
 seen.append(quantized.counter())  # ...and heals its own
@@ -254,7 +196,7 @@ print(json.dumps(seen))
 """
 
 
-def test_a_deep_copy_gets_a_gate_of_its_own() -> None:
+def test_a_deep_copy_has_holds_of_its_own() -> None:
     assert run_code(COPY, prelude="scenarios", switch=FIX).last_json == [1, 1, 1, 0]
 
 
