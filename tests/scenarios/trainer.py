@@ -23,9 +23,7 @@ from tiny_olmoe import CHECKPOINTING, build  # noqa: E402
 
 
 class Recorder(TrainerCallback):
-    """Runs after the guard: records the counter at every step end, and how many Python threads run
-    then (a helper thread, such as torch 2.3 inductor's compile pool's, keeps the guard from releasing
-    what it cannot trace to the training thread)."""
+    """Runs after the guard: records the counter at every step end, and how many Python threads run then."""
 
     def __init__(self) -> None:
         self.counters: list[int] = []
@@ -83,10 +81,10 @@ def main() -> None:
                 "steps": len(recorder.counters),
                 "counters": recorder.counters,
                 "threads": recorder.threads,
-                "reports": [str(w.message) for w in caught if "bnb_gc_fix.guard" in str(w.message)],
-                "released": guard.released if guard else None,
+                "reports": [str(w.message) for w in caught if str(w.message).startswith("bnb_gc_fix")],
+                "given_back": guard.given_back if guard else None,
                 "imported_by_package": imported_by_package,
-                "active": bnb_gc_fix.status().active,
+                "state": bnb_gc_fix.status().state,
             }
         )
     )
