@@ -53,6 +53,14 @@ def remove() -> None:
             shell.events.unregister(event, callback)
 
 
+def registered() -> bool:
+    """Whether the callbacks are registered with a running shell right now."""
+    try:
+        return _after_cell in _cells.shell.events.callbacks[AFTER]
+    except Exception:  # no shell
+        return False
+
+
 def _before_cell(info: Any = None) -> None:
     with contextlib.suppress(Exception):
         _cells.span = Span.begin()
