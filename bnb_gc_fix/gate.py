@@ -32,15 +32,14 @@ tickets = itertools.count(1)
 PAIRS: list[tuple[FunctionType, FunctionType]] = []
 
 
-class ThreadHolds(dict[int, list[int]]):
-    """One thread's holds: for each module (by ``id``), the tickets of its holds, the oldest first."""
-
-    def count(self) -> int:
-        return sum(len(held) for held in list(self.values()))  # a copy: _collected() may pop meanwhile
+class ThreadHolds(dict[int, int]):
+    """One thread's holds: for each module it holds (by ``id``), the ticket of its hold. There is one at
+    most, since a module entered again gives its earlier hold back first; between steps the holds are
+    usually none, which keeps torch.compile's guards on them unchanged."""
 
     def __del__(self) -> None:  # its thread ended; in a forked child, every thread but the one that forked
         try:
-            _give_back(self.count())
+            _give_back(len(self))
         except Exception:  # at interpreter shutdown, with modules half torn down
             pass
 
@@ -68,51 +67,53 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
     os.register_at_fork(after_in_child=_renew_lock)
 
 
+def _never_compiling() -> bool:  # a torch without torch.compiler.is_dynamo_compiling (before 2.3)
+    return False
+
+
+#: True while Dynamo traces the caller (it reads it as a constant), False when the code runs.
+_compiling = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
+
+
 # --- the hooks -------------------------------------------------------------------------------------------
+# Neither names the thread's holds in a local variable: a forked child keeps the frames of its parent's
+# other threads, and such a name would keep their holds from being given back there.
 def enter(module: torch.nn.Module) -> None:
-    """The pre-hook: take the module over if that is still to do, then take one hold for it."""
+    """The pre-hook: take the module over if that is still to do, then take one hold for it. A hold taken
+    in a torch.compile trace has ticket 0 (Dynamo would compile anew for each ticket): no safety net's span
+    holds it, and the module's next forward gives it back."""
     key = id(module)
     if key not in _taken_over:
         taken = take_over(module)
         if not taken:
             P._cache_enabled += 1  # as the library's own hook does; leave() gives it back the same way
             return
-    held = _local.holds.get(key)  # no name for the thread's holds: a forked child must be able to drop them
-    if held is None:
-        held = _local.holds.setdefault(key, [])
-    elif held:  # entered again on this thread: its earlier call ended by Ctrl-C, or is calling itself
-        _give_back_all(held)
+    if key in _local.holds:  # entered again on this thread: its last call ended by Ctrl-C, or calls itself
+        _give_back(1)  # (a call of itself then reads its weights again: more dequantization, never a leak)
     P._cache_enabled += 1
-    held.append(next(tickets))
+    _local.holds[key] = 0 if _compiling() else next(tickets)
 
 
 def leave(module: torch.nn.Module) -> None:
-    """The forward hook: give back this thread's latest hold for the module."""
-    held = _local.holds.get(id(module))
-    if not held:
+    """The forward hook: give back this thread's hold for the module."""
+    key = id(module)
+    if key not in _local.holds:
         _leave_without_hold(module)
         return
     _give_back(1)
-    held.pop()
+    del _local.holds[key]
 
 
 def _give_back(count: int) -> None:
     """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0. Called before
-    the holds are dropped from their list: a fork in between leaves the child a hold too many, which it
-    gives back clamped, never one too few."""
+    the holds are forgotten: a fork in between leaves the child a hold too many, which it gives back
+    clamped, never one too few."""
     remaining = P._cache_enabled - count
     if remaining > 0:
         P._cache_enabled = remaining
     else:
         P._cache_enabled = 0
         P._cache = {}
-
-
-def _give_back_all(held: list[int]) -> None:
-    """Give back every hold of this thread for one module. In a module that calls itself, the inner call
-    gives back the outer one's, which then reads its weights again (more dequantization, never a leak)."""
-    _give_back(len(held))
-    held.clear()
 
 
 def _leave_without_hold(module: torch.nn.Module) -> None:
@@ -176,10 +177,11 @@ def _fold(module: torch.nn.Module) -> bool:
 
 
 def _collected(key: int) -> None:
-    """A module taken over is gone: give back every thread's holds for it."""
+    """A module taken over is gone: give back every thread's hold for it."""
     _taken_over.pop(key, None)
     for holds in list(_EVERY_THREAD.values()):
-        _give_back_all(holds.pop(key, []))
+        if holds.pop(key, None) is not None:
+            _give_back(1)
 
 
 def holds_a_pair(module: torch.nn.Module) -> bool:
@@ -200,18 +202,16 @@ def covered() -> list[torch.nn.Module]:
 # --- for the safety nets, repair and reset --------------------------------------------------------------
 def give_back_since(ticket: int) -> int:
     """Give back this thread's holds taken after ``ticket`` (a safety net's own); returns how many."""
-    lists = list(_local.holds.values())
-    given = sum(sum(taken > ticket for taken in held) for held in lists)
-    _give_back(given)
-    for held in lists:
-        while held and held[-1] > ticket:
-            held.pop()
-    return given
+    mine = [key for key, taken in list(_local.holds.items()) if taken > ticket]
+    _give_back(len(mine))
+    for key in mine:
+        del _local.holds[key]
+    return len(mine)
 
 
 def held_by_every_thread() -> int:
-    """How many holds the hooks of the fix keep, on every thread."""
-    return sum(holds.count() for holds in list(_EVERY_THREAD.values()))
+    """How many holds the fix's hooks keep, on every thread."""
+    return sum(len(holds) for holds in list(_EVERY_THREAD.values()))
 
 
 def forget_every_hold() -> None:
@@ -227,8 +227,8 @@ def reset() -> int:
 
 
 # --- the code the libraries' hook functions get (patch.py) ------------------------------------------------
-# Each calls the function above through a default argument: the code runs with the library's module as
-# its globals, so it must name no global at all (tests/test_gate.py checks that).
+# Each calls the function above through a default argument: the code runs with the library's module as its
+# globals, so it must name no global at all (tests/test_gate.py checks that).
 def enable_code(module: Any, inputs: Any, _enter: Any = enter) -> None:
     _enter(module)
 
