@@ -153,6 +153,7 @@ def activate(via: str = ACTIVATE) -> None:
         with _lock:
             _read_switch()
             if process.mode == startup.OFF:
+                _turn_off(deactivated=False)
                 return
             process.deactivated = False
             process.turned_on_by = process.turned_on_by or via
@@ -186,14 +187,18 @@ def deactivate() -> None:
     """Put every library's own code back, and forget the holds the fix kept (modules it took over keep
     one pair, always called: bitsandbytes 0.50's shape). ``activate()`` turns it on again."""
     with _lock:
-        for library in LIBRARIES:
-            module = sys.modules.get(library.module)
-            if module is not None and process.decisions[library.name].patched:
-                from bnb_gc_fix import gate, patch  # torch is imported: the library's module imported it
+        _turn_off(deactivated=True)
 
-                patch.remove(module, library)
-                gate.forget_every_hold()
-            process.decisions[library.name] = Decision(warned=process.decisions[library.name].warned)
-        process.turned_on_by = None
-        process.deactivated = True
-        notebook.remove()
+
+def _turn_off(deactivated: bool) -> None:
+    for library in LIBRARIES:
+        module = sys.modules.get(library.module)
+        if module is not None and process.decisions[library.name].patched:
+            from bnb_gc_fix import gate, patch  # torch is imported: the library's module imported it
+
+            patch.remove(module, library)
+            gate.forget_every_hold()
+        process.decisions[library.name] = Decision(warned=process.decisions[library.name].warned)
+    process.turned_on_by = None
+    process.deactivated = deactivated
+    notebook.remove()

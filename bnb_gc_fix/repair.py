@@ -16,15 +16,15 @@ def repair(model: torch.nn.Module) -> int:
     fix's hooks did not take: a forward started before the fix turned on may still be running."""
     from bnb_gc_fix import gate  # imports torch, which `model` needs anyway
 
+    waiting = [m for m in model.modules() if gate.holds_a_pair(m) and not gate.is_taken_over(m)]
     others = cache.counter() - gate.held_by_every_thread()
-    if others > 0:
+    if waiting and others > 0:
         raise RuntimeError(
             f"bnb_gc_fix.repair: torch's parametrization cache holds {others} holds that bnb-gc-fix's hooks "
             "did not take (a forward of this model started before the fix turned on may still be running, "
             "or the counter is stuck): run repair() once nothing runs, after bnb_gc_fix.reset() if the "
             "counter is stuck. Nothing was changed."
         )
-    waiting = [m for m in model.modules() if gate.holds_a_pair(m) and not gate.is_taken_over(m)]
     for module in waiting:
         gate.take_over(module)
     return len(waiting)
