@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import notebook
-from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, warn_quietly
+from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
 
 MIN_TORCH = Version("2.1")  # forward hooks that torch calls when the forward raises (always_call)
 
@@ -121,6 +121,7 @@ def _decide(library: Library, module: ModuleType) -> None:
     needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
     if needed:
         patch.apply(module, library)
+        logger.info("the fix is in %s %s (%s)", library.name, version_of(library.name), library.module)
     decision.patched = bool(needed)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from _bnb_gc_fix import BITSANDBYTES
 from bnb_gc_fix import cache
+from bnb_gc_fix.activation import MIN_TORCH, release
 from bnb_gc_fix.installed import try_import
 
 
@@ -60,32 +61,43 @@ def _imports() -> tuple[Any, Any]:
     torch, problem = try_import("torch")
     if torch is None:
         raise CannotRunError(f"{problem}; {_remedy(problem, 'torch')}")
+    torch_release = release(torch.__version__)
+    if torch_release is not None and torch_release < MIN_TORCH:
+        raise CannotRunError(
+            f"torch {torch.__version__} is too old: the fix needs torch >= {MIN_TORCH} (forward hooks that "
+            "run when a forward raises); upgrade torch"
+        )
     bitsandbytes, problem = try_import("bitsandbytes")
     if bitsandbytes is None:
         raise CannotRunError(f"{problem}; {_remedy(problem, 'bitsandbytes')}")
     parametrize, problem = try_import(BITSANDBYTES.module)
     if parametrize is None:
-        version = getattr(bitsandbytes, "__version__", "?")
+        named = f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')}"
         raise CannotRunError(
-            f"bitsandbytes {version} has no {BITSANDBYTES.module} ({problem}): it cannot leak this way, and "
-            "there is nothing to check"
+            f"{named} has no {BITSANDBYTES.module} ({problem}): it cannot leak this way, and there is "
+            "nothing to check"
         )
     return torch, parametrize
 
 
 def _remedy(problem: str | None, name: str) -> str:
     if problem is not None and problem.endswith("is not installed"):
-        return f"install it to run the check (bitsandbytes >= {BITSANDBYTES.first_affected})"
+        return f"install {name} to run the check (bitsandbytes >= {BITSANDBYTES.first_affected})"
     return f"this is a problem of the {name} installation (its CUDA libraries, for example), not the leak"
 
 
 def _device(torch: Any, asked: str | None) -> str:
     if asked is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if asked == "cuda" and getattr(torch.version, "cuda", None) is None:
+        raise CannotRunError(
+            f"--device cuda was asked for, but this torch ({torch.__version__}) is a build without CUDA "
+            "support; run with --device cpu, or install a CUDA build of torch"
+        )
     if asked == "cuda" and not torch.cuda.is_available():
         raise CannotRunError(
-            f"--device cuda was asked for, but this torch ({torch.__version__}) sees no CUDA device (a build "
-            "without CUDA, or no driver or CUDA_VISIBLE_DEVICES); run with --device cpu"
+            "--device cuda was asked for, but no CUDA device is available here (check the driver and "
+            "CUDA_VISIBLE_DEVICES); run with --device cpu"
         )
     return asked
 
@@ -98,8 +110,8 @@ def run(device: str | None = None, steps: int = 4) -> CheckResult:
         return _train_both_ways(parametrize.replace_parameter_4bit, device, steps)
     except Exception as error:
         raise CannotRunError(
-            f"the small model failed on {device} ({type(error).__name__}: {error}); this says nothing about "
-            "the leak: it is a problem of this torch or bitsandbytes installation"
+            f"the check's small model failed on {device} ({type(error).__name__}: {error}); this says "
+            "nothing about the leak: it is a problem of this torch or bitsandbytes installation"
         ) from error
     finally:
         cache.release_all()  # the check leaves nothing switched on in this process

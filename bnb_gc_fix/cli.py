@@ -29,7 +29,7 @@ def _import_the_libraries() -> list[str]:
     look at; returns what failed to import, and why. Nothing is imported that is not installed."""
     torch, problem = try_import("torch")
     if torch is None:
-        return [] if problem is None or problem.endswith("is not installed") else [problem]
+        return [str(problem)]
     problems = []
     for library in LIBRARIES:
         if distribution_version(library.name) is None:
@@ -40,19 +40,27 @@ def _import_the_libraries() -> list[str]:
     return problems
 
 
+def _versions() -> dict[str, str | None]:
+    """What a bug report needs: bnb-gc-fix, Python, torch and transformers (from their metadata)."""
+    return {
+        "bnb_gc_fix": __version__,
+        "python": platform.python_version(),
+        "torch": distribution_version("torch"),
+        "transformers": distribution_version("transformers"),
+    }
+
+
 def _header() -> str:
-    python = platform.python_version()
-    versions = ", ".join(
-        f"{name} {distribution_version(name) or 'not installed'}" for name in ("torch", "transformers")
-    )
-    return f"bnb-gc-fix {__version__} (Python {python}, {versions})"
+    versions = _versions()
+    others = ", ".join(f"{name} {versions[name] or 'not installed'}" for name in ("torch", "transformers"))
+    return f"bnb-gc-fix {__version__} (Python {versions['python']}, {others})"
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     problems = _import_the_libraries()
     current = status()
     if args.json:
-        _print_json({"bnb_gc_fix": __version__, **current.as_dict(), "import_errors": problems})
+        _print_json({**_versions(), **current.as_dict(), "import_errors": problems})
         return 0
     print(_header())
     print(current)
@@ -75,9 +83,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     current = status()
     code = EXIT_CANNOT_RUN if result is None else EXIT_PROTECTED if result.protected else EXIT_LEAK
     if args.json:
-        payload = {"exit_code": code, "error": error, "status": current.as_dict(), "result": None}
+        payload: dict[str, Any] = {"device": args.device, "protected": None, "steps": []}
         if result is not None:
-            payload["result"] = result.as_dict()
+            payload.update(result.as_dict())
+        payload.update(error=error, exit_code=code, status=current.as_dict())
         _print_json(payload)
     elif result is None:
         print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
@@ -89,7 +98,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _print_check(result: Any, current: Status) -> None:
     bitsandbytes = current.libraries[0].version
     print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {current_torch()}, device {result.device}")
-    print(f"state: {current.state}: {current.reason}")
+    print(current.lines()[0])  # the state, as `bnb-gc-fix status` and status() say it
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:
@@ -165,7 +174,10 @@ def _parser() -> argparse.ArgumentParser:
 def _usage(error: _UsageError, argv: Sequence[str]) -> int:
     message = f"{error.parser.prog}: {error}"
     if "--json" in argv:
-        _print_json({"error": message, "exit_code": EXIT_CANNOT_RUN})
+        payload: dict[str, Any] = {"error": message, "exit_code": EXIT_CANNOT_RUN}
+        if "check" in argv:  # the shape of every other answer of check --json
+            payload.update(device=None, protected=None, steps=[])
+        _print_json(payload)
     else:
         error.parser.print_usage(sys.stderr)
         print(f"{error.parser.prog}: error: {error}", file=sys.stderr)

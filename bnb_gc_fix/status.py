@@ -74,16 +74,16 @@ class Status:
 
     def lines(self) -> list[str]:
         """What ``bnb-gc-fix status`` and ``print(status())`` show, a fact a line."""
-        lines = [f"state:  {self.state}: {self.reason}", f"fix:    {self._fix_text()}"]
-        lines.append(f"cache:  {self._cache_text()}")
-        lines += [f"{library.name}: {_library_text(library)}" for library in self.libraries]
+        lines = [f"state: {self.state}: {self.reason}", f"fix:   {self._fix_text()}"]
+        lines.append(f"cache: {self._cache_text()}")
+        lines += [_library_text(library) for library in self.libraries]
         return lines
 
     def _fix_text(self) -> str:
-        switch = "unset" if self.switch is None else repr(self.switch)
+        switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
         if self.turned_on_by is None:
-            return f"off ({startup.VARIABLE} {switch})"
-        return f"on, turned on by {self.turned_on_by} ({startup.VARIABLE} {switch})"
+            return f"off ({switch})"
+        return f"on, turned on by {self.turned_on_by} ({switch})"
 
     def _cache_text(self) -> str:
         if self.counter is None:
@@ -104,9 +104,15 @@ class Status:
 
 def _library_text(library: LibraryStatus) -> str:
     if library.version is None:
-        return "not imported"
-    release = {True: "an affected release", False: "not an affected release", None: "release unknown"}
-    return f"{library.version}, {release[library.affected]}: {library.state}"
+        return f"{library.name}: not imported here"
+    facts = {lib.name: lib for lib in LIBRARIES}[library.name]
+    releases = f"{facts.first_affected} to before {facts.first_fixed}"
+    release = {
+        True: f"a release that leaks this way without the fix ({releases})",
+        False: f"a release that does not leak this way (those from {releases} do)",
+        None: "a release whose version cannot be read",
+    }[library.affected]
+    return f"{library.name} {library.version}: {release}; here: {library.state}"
 
 
 def _held_by_the_fix() -> int:

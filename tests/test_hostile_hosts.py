@@ -496,7 +496,9 @@ print(json.dumps({"errors": errors, "warnings": ours, "counter": quantized.count
 
 
 @pytest.mark.parametrize("switch", [None, "0"])
-def test_a_strict_guard_inside_a_compiled_forward_never_raises_where_nothing_leaked(switch: str | None) -> None:
+def test_a_strict_guard_inside_a_compiled_forward_never_raises_where_nothing_leaked(
+    switch: str | None,
+) -> None:
     out = run_code(STRICT_INSIDE_COMPILED, prelude="scenarios", switch=switch).last_json
     assert out == {"errors": [], "warnings": [], "counter": 0}
 
