@@ -20,13 +20,11 @@ PACKAGE = "bnb_gc_fix"
 VARIABLE = "BNB_GC_FIX"
 
 # The switch's modes, each with the values of BNB_GC_FIX that ask for it (trimmed, any case; unset: auto).
-AUTO = "auto"
-ON = "on"
+AUTO = "auto"  # the fix goes into every library whose release leaks this way
 OFF = "off"
-FORCE = "force"
+FORCE = "force"  # also into releases that do not leak this way, for what a Ctrl-C leaves there
 SPELLINGS = {
-    AUTO: ("", "auto"),
-    ON: ("1", "on", "true", "yes"),
+    AUTO: ("", "auto", "1", "on", "true", "yes"),
     OFF: ("0", "off", "false", "no"),
     FORCE: ("force",),
 }

@@ -87,6 +87,12 @@ def affected(library: Library, version: str | None) -> bool | None:
     return Version(library.first_affected) <= number < Version(library.first_fixed)
 
 
+def fixed_upstream(library: Library, version: str | None) -> bool:
+    """Whether a release of the library is one of those that fixed the leak themselves."""
+    number = release(version)
+    return number is not None and number >= Version(library.first_fixed)
+
+
 def _why_not(library: Library, module: ModuleType) -> str | None:
     """Why the fix must not go into the library's module (None: it may)."""
     from bnb_gc_fix import patch  # imports torch, which the library's module has imported

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from _bnb_gc_fix import LIBRARIES
 from bnb_gc_fix import __version__
+from bnb_gc_fix.activation import affected
 from bnb_gc_fix.installed import distribution_version, try_import
 from bnb_gc_fix.status import Status, status
 
@@ -26,13 +27,15 @@ def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one o
 
 def _import_the_libraries() -> list[str]:
     """Import torch and what is installed of the libraries the fix goes into, so that it has something to
-    look at; returns what failed to import, and why. Nothing is imported that is not installed."""
+    look at; returns what failed to import, and why. Nothing is imported that is not installed, nor a
+    module a release does not have."""
     torch, problem = try_import("torch")
     if torch is None:
         return [str(problem)]
     problems = []
     for library in LIBRARIES:
-        if distribution_version(library.name) is None:
+        version = distribution_version(library.name)
+        if version is None or affected(library, version) is False:
             continue
         _, problem = try_import(library.module)
         if problem is not None:
@@ -41,19 +44,17 @@ def _import_the_libraries() -> list[str]:
 
 
 def _versions() -> dict[str, str | None]:
-    """What a bug report needs: bnb-gc-fix, Python, torch and transformers (from their metadata)."""
-    return {
-        "bnb_gc_fix": __version__,
-        "python": platform.python_version(),
-        "torch": distribution_version("torch"),
-        "transformers": distribution_version("transformers"),
+    """What a bug report needs: the versions installed (from their metadata; None: not installed)."""
+    names = ("torch", "transformers", *(library.name for library in LIBRARIES))
+    return {"bnb_gc_fix": __version__, "python": platform.python_version()} | {
+        name: distribution_version(name) for name in names
     }
 
 
 def _header() -> str:
     versions = _versions()
-    others = ", ".join(f"{name} {versions[name] or 'not installed'}" for name in ("torch", "transformers"))
-    return f"bnb-gc-fix {__version__} (Python {versions['python']}, {others})"
+    named = ", ".join(f"{name} {version or 'not installed'}" for name, version in list(versions.items())[2:])
+    return f"bnb-gc-fix {__version__} (Python {versions['python']}; installed: {named})"
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

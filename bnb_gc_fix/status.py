@@ -163,13 +163,24 @@ def _library_state(library: Library, version: str | None, affected: bool | None)
     if version is None:
         return NOT_AFFECTED, f"{library.name} is not imported in this process"
     if affected is False and not activation.process.decisions[library.name].patched:
-        fixed = f"releases from {library.first_affected} to before {library.first_fixed} do"
-        return NOT_AFFECTED, f"{named} does not leak this way ({fixed})"
+        return NOT_AFFECTED, _not_leaking(library, named, version)
     if activation.process.turned_on_by is None:
         switch = f"{startup.VARIABLE}={activation.process.switch!r}"
         why = "deactivate()" if activation.process.deactivated else switch
         return UNPROTECTED, f"the fix is off ({why} switched it off), and {named} leaks this way"
     return _while_on(library, named)
+
+
+def _not_leaking(library: Library, named: str, version: str) -> str:
+    releases = f"releases from {library.first_affected} to before {library.first_fixed} do"
+    said = f"{named} does not leak this way ({releases})"
+    if not activation.fixed_upstream(library, version):
+        return said
+    return (
+        f"{said}; what a Ctrl-C inside a forward leaves is only pointed out here (by the safety nets); "
+        f"{startup.VARIABLE}=force puts the fix in, which gives it back, and pip uninstall bnb-gc-fix "
+        "removes the package"
+    )
 
 
 def _while_on(library: Library, named: str) -> tuple[str, str]:
@@ -188,6 +199,8 @@ def _while_on(library: Library, named: str) -> tuple[str, str]:
             "own answered for it): import bnb_gc_fix before that hook is installed, or call "
             "bnb_gc_fix.activate()"
         )
+    if activation.affected(library, activation.version_of(library.name)) is False:
+        named += f" ({startup.VARIABLE}=force)"
     return _where_the_fix_is(library, named)
 
 

@@ -1,5 +1,5 @@
-"""bitsandbytes 0.50.x carries upstream's fix: the package steps aside (auto), or patches on request
-(force), and the guard still covers what upstream cannot: a forward left by KeyboardInterrupt."""
+"""bitsandbytes 0.50.x carries upstream's fix: the package steps aside (auto), or puts the fix in on
+request (force), which covers what upstream cannot: a forward left by KeyboardInterrupt."""
 
 from __future__ import annotations
 
@@ -27,37 +27,37 @@ def _env(target: Path, switch: str | None = None) -> dict[str, str]:
 def test_auto_steps_aside_and_upstream_fix_holds(bnb_050: Path) -> None:
     run = tiny_olmoe("--steps", "4", "--import-fix", env=_env(bnb_050))
     assert [s["counter"] for s in run.steps] == [0] * 4
-    assert run.summary["active"] is False and run.summary["state"] == "not needed"
-    assert "always_call=True (upstream fix)" in run.summary["reason"]
-    # Said plainly: the package is not needed here, but for Ctrl-C in notebooks, and how to remove it.
-    plainly = "; nothing to patch. bnb-gc-fix is not needed with this bitsandbytes, except"
-    assert plainly in run.summary["reason"]
-    assert run.summary["reason"].endswith("pip uninstall bnb-gc-fix removes it")
+    assert run.summary["state"] == "not affected"
+    # Said plainly: the package is not needed here, but for Ctrl-C, and how to remove it.
+    assert run.summary["reason"].startswith(f"bitsandbytes {VERSION} does not leak this way")
+    assert "what a Ctrl-C inside a forward leaves is only pointed out here" in run.summary["reason"]
+    assert run.summary["reason"].endswith("pip uninstall bnb-gc-fix removes the package")
 
 
-def test_nothing_is_wrapped_and_on_mode_says_so_in_the_log(bnb_050: Path) -> None:
+def test_nothing_of_bitsandbytes_is_changed(bnb_050: Path) -> None:
     code = (
         "import logging, sys, json\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='LOG %(name)s: %(message)s')\n"
         "from bitsandbytes.nn import parametrize\n"
+        "own = parametrize._enable_parametrization_cache.__code__\n"
         "import bitsandbytes, bnb_gc_fix, types\n"
         "s = bnb_gc_fix.activate()\n"
-        "print(json.dumps([bitsandbytes.__version__, s.active, s.bitsandbytes.affected,"
-        " type(parametrize._register_parametrization_hooks) is not types.FunctionType]))\n"
+        "print(json.dumps([bitsandbytes.__version__, s.state, s.libraries[0].affected,"
+        " type(parametrize._register_parametrization_hooks) is types.FunctionType,"
+        " parametrize._enable_parametrization_cache.__code__ is own]))\n"
     )
     result = run_code(code, env=_env(bnb_050, "on"))
-    assert result.last_json == [VERSION, False, False, False]
-    assert "LOG bnb_gc_fix: nothing needed patching" in result.stdout
+    assert result.last_json == [VERSION, "not affected", False, True, True]
+    assert "LOG bnb_gc_fix" not in result.stdout
 
 
 def test_status_json_on_upstream_fixed(bnb_050: Path) -> None:
     result = run_python(["-m", "bnb_gc_fix", "status", "--json"], env=_env(bnb_050))
     facts = json.loads(result.stdout)
-    [bnb] = facts["libraries"]
-    assert bnb["version"] == VERSION and bnb["state"] == "not needed"
-    assert bnb["affected"] is False and bnb["patched"] is False
-    assert facts["active"] is False
-    assert "upstream fix" in facts["reason"]
+    bnb = facts["libraries"][0]
+    assert bnb["version"] == VERSION and bnb["state"] == facts["state"] == "not affected"
+    assert bnb["affected"] is False and facts["on"] is True
+    assert f"bitsandbytes {VERSION} does not leak this way" in facts["reason"]
 
 
 INTERRUPT = """
@@ -66,27 +66,27 @@ import bnb_gc_fix
 module = quantized.make(params=2)
 stuck = quantized.interrupted_forward(module, torch.randn(2, 64))
 module(torch.randn(2, 64))
-print(json.dumps([bnb_gc_fix.status().active, stuck, quantized.counter()]))
+print(json.dumps([bnb_gc_fix.status().state, stuck, quantized.counter()]))
 """
 
 
 def test_keyboard_interrupt_leaks_even_upstream_control(bnb_050: Path) -> None:
     result = run_code(INTERRUPT, prelude="scenarios", env=_env(bnb_050))
-    active, stuck, after = json.loads(result.stdout)
-    assert active is False and stuck == 2 and after == 2  # upstream's always_call cannot see Ctrl-C
+    state, stuck, after = json.loads(result.stdout)
+    assert state == "not affected" and stuck == 2 and after == 2  # upstream's always_call cannot see Ctrl-C
 
 
 def test_force_patches_upstream_too_and_heals_keyboard_interrupt(bnb_050: Path) -> None:
     result = run_code(INTERRUPT, prelude="scenarios", env=_env(bnb_050, "force"))
-    assert json.loads(result.stdout) == [True, 1, 0]
+    assert json.loads(result.stdout) == ["protected", 1, 0]
 
 
 def test_force_status_reason_says_why(bnb_050: Path) -> None:
     facts = json.loads(
         run_python(["-m", "bnb_gc_fix", "status", "--json"], env=_env(bnb_050, "FORCE")).stdout
     )
-    assert facts["active"] is True and facts["mode"] == "force"
-    assert "BNB_GC_FIX=force" in facts["reason"]
+    assert facts["on"] is True and facts["switch"] == "FORCE"
+    assert f"the fix is in bitsandbytes {VERSION} (BNB_GC_FIX=force)" in facts["reason"]
 
 
 REPAIR = """
@@ -100,7 +100,7 @@ print(json.dumps([pairs, fixed, count()]))
 
 
 def test_repair_leaves_upstream_always_called_pairs_alone(bnb_050: Path) -> None:
-    # What BNB_GC_FIX=force does instead (the gate replaces them, and heals a Ctrl-C):
+    # What BNB_GC_FIX=force does instead (the fix takes them over, and heals a Ctrl-C):
     # test_hostile_hosts.py::test_repair_honours_force_on_a_fixed_bitsandbytes.
     result = run_code(REPAIR, prelude="scenarios", env=_env(bnb_050))
     pairs, fixed, untouched = json.loads(result.stdout)
