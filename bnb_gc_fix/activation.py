@@ -87,6 +87,12 @@ def affected(library: Library, version: str | None) -> bool | None:
     return Version(library.first_affected) <= number < Version(library.first_fixed)
 
 
+def predates(library: Library, version: str | None) -> bool:
+    """Whether a release of the library comes before its first affected one (and has no such module)."""
+    number = release(version)
+    return number is not None and number < Version(library.first_affected)
+
+
 def fixed_upstream(library: Library, version: str | None) -> bool:
     """Whether a release of the library is one of those that fixed the leak themselves."""
     number = release(version)

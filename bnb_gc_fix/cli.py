@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 from _bnb_gc_fix import LIBRARIES
 from bnb_gc_fix import __version__
-from bnb_gc_fix.activation import affected
+from bnb_gc_fix.activation import predates
 from bnb_gc_fix.installed import distribution_version, try_import
 from bnb_gc_fix.status import Status, status
 
@@ -28,16 +28,18 @@ def _print_json(payload: dict[str, Any]) -> None:  # every command's JSON: one o
 def _import_the_libraries() -> list[str]:
     """Import torch and what is installed of the libraries the fix goes into, so that it has something to
     look at; returns what failed to import, and why. Nothing is imported that is not installed, nor a
-    module a release does not have."""
+    module of a release from before the library had it."""
     torch, problem = try_import("torch")
     if torch is None:
         return [str(problem)]
     problems = []
     for library in LIBRARIES:
         version = distribution_version(library.name)
-        if version is None or affected(library, version) is False:
+        if version is None:
             continue
-        _, problem = try_import(library.module)
+        top, problem = try_import(library.name)
+        if top is not None and not predates(library, version):
+            _, problem = try_import(library.module)
         if problem is not None:
             problems.append(problem)
     return problems

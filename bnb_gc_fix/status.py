@@ -190,8 +190,8 @@ def _while_on(library: Library, named: str) -> tuple[str, str]:
         return UNPROTECTED, f"the fix could not be put in: {decision.skipped}"
     if sys.modules.get(library.module) is None:
         return NOT_AFFECTED, (
-            f"{named} has not imported {library.module} yet (it does when a model is quantized); the fix "
-            "goes in the moment it does"
+            f"{library.module} is not imported yet (it is when a model is quantized); the fix goes in the "
+            "moment it is"
         )
     if not decision.decided:
         return UNPROTECTED, (

@@ -32,7 +32,8 @@ pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.dow
 SCENARIO = SCENARIOS / "axolotl_moe8bit.py"
 
 # Requires-Python of each wheel, as published (checked against the installed METADATA below).
-# 0.15.0-0.19.0 register a plain forward hook; 0.20.0 fixed it (always_call=True) and needs 3.12.
+# 0.15.0-0.19.0 register a plain forward hook (0.17.0 and 0.19.0 tested); 0.20.0 fixed it
+# (always_call=True) and needs Python 3.12.
 AXOLOTL = {"0.17.0": ">=3.10", "0.19.0": ">=3.10", "0.20.0": ">=3.12", "0.21.0": ">=3.12"}
 AFFECTED = ("0.17.0", "0.19.0")
 FIXED = ("0.20.0", "0.21.0")
@@ -98,16 +99,15 @@ def test_start_up_hook_fixes_axolotl_with_no_code_change(axolotl: str, bitsandby
     # bitsandbytes was first imported by moe_quant itself; the start-up hook turned the fix on once
     # moe_quant's code had run to its end.
     assert run.summary["bitsandbytes_before_moe_quant"] is False
-    assert run.summary["via"] == "start-up hook"
-    assert run.summary["state"] == "patched"  # also on bitsandbytes 0.50.2, where only axolotl is
+    assert run.summary["turned_on_by"] == "the start-up hook"
+    assert run.summary["state"] == "protected"  # also on bitsandbytes 0.50.2, where only axolotl is
     assert _library(run, "axolotl") == {
         "name": "axolotl",
         "version": axolotl,
         "affected": True,
-        "patched": True,
+        "state": "protected",
     }
-    assert run.summary["hooks"]["pre_hook_owners"] == ["bnb_gc_fix"]  # the gate, once per module
-    assert run.summary["hooks"]["always_called"] == 1
+    assert run.summary["hooks"] == {"pre_hooks": 1, "hooks": 1, "always_called": 1}  # its pair, always called
 
 
 @BITSANDBYTES
@@ -117,8 +117,7 @@ def test_axolotl_control_leaks_without_the_package(axolotl: str, bitsandbytes: s
     assert _counters(run) == [3, 6, 9, 12]
     assert run.steps[-1]["cache_bytes"] > 0
     assert run.summary["bnb_gc_fix_imported"] is False
-    assert run.summary["hooks"]["pre_hook_owners"] == ["axolotl"]
-    assert run.summary["hooks"]["always_called"] == 0
+    assert run.summary["hooks"] == {"pre_hooks": 1, "hooks": 1, "always_called": 0}  # axolotl's plain pair
 
 
 @BITSANDBYTES
@@ -133,14 +132,14 @@ def test_explicit_import_without_start_up_hook(bitsandbytes: str) -> None:
         env = environment(switch, PYTHONPATH=_pythonpath("0.19.0", bitsandbytes))
         run = run_code(code, *argv, prelude="scenarios-without-startup-hook", env=env)
         assert _counters(run) == expected, switch
-        assert run.summary["via"] == ("import" if switch is None else None)
+        assert run.summary["turned_on_by"] == ("import bnb_gc_fix" if switch is None else None)
 
 
 def test_bitsandbytes_imported_first_patches_on_import() -> None:
     run = _scenario("0.19.0", "installed", "--bitsandbytes-first")
     assert run.summary["bitsandbytes_before_moe_quant"] is True
     assert _counters(run) == [0, 0, 0, 0]
-    assert _library(run, "axolotl")["patched"] is True
+    assert _library(run, "axolotl")["state"] == "protected"
 
 
 # --- a fixed copy (axolotl >= 0.20) is left alone -------------------------------------------------
@@ -155,9 +154,9 @@ def test_fixed_axolotl_is_left_alone(axolotl: str, bitsandbytes: str) -> None:
         "name": "axolotl",
         "version": axolotl,
         "affected": False,
-        "patched": False,
+        "state": "not affected",
     }
-    assert run.summary["hooks"]["pre_hook_owners"] == ["axolotl"]  # axolotl's own
+    assert run.summary["hooks"]["always_called"] == 1  # axolotl's own, as it registered it
 
 
 @BITSANDBYTES
@@ -184,26 +183,29 @@ def test_status_reports_each_library_and_deactivate_undoes_the_axolotl_patch() -
         import bnb_gc_fix
         import types
         # axolotl's own function is a plain function; the fix's wrapper is not
+        import axolotl_moe8bit
+        model = axolotl_moe8bit.build(layers=1)
         wrapped = type(moe_quant.replace_parameter_8bit) is not types.FunctionType
-        before = [lib.name for lib in bnb_gc_fix.status().libraries if lib.patched]
+        before = {lib.name: lib.state for lib in bnb_gc_fix.status().libraries}
         bnb_gc_fix.deactivate()
         restored = type(moe_quant.replace_parameter_8bit) is types.FunctionType
-        after = {lib.name: (lib.patched, lib.reason) for lib in bnb_gc_fix.status().libraries}
+        code = moe_quant._enable_parametrization_cache.__code__
+        restored = restored and code.co_filename == moe_quant.__file__  # its own code, back
+        after = {lib.name: (lib.state, lib.reason) for lib in bnb_gc_fix.status().libraries}
         print(json.dumps(dict(wrapped=wrapped, before=before, restored=restored, after=after)))
         """
     )
     assert facts["wrapped"] and facts["restored"]
-    assert "axolotl" in facts["before"]
-    assert facts["after"]["axolotl"] == [False, "deactivated by deactivate()"]
+    assert facts["before"]["axolotl"] == "protected"
+    state, reason = facts["after"]["axolotl"]
+    assert state == "unprotected" and "deactivate() switched it off" in reason
 
 
-# Scenario 3 of issue 31: another tool wraps one of bitsandbytes' functions. Before the fix turns on (an
-# explicit `import bnb_gc_fix`, no start-up hook), a wrapper without the function's name hides
-# bitsandbytes' pair from the fix: bitsandbytes is skipped and its modules leak, while axolotl's copy is
-# patched. After the fix turned on (the start-up hook), a wrapper takes the place of the fix's own, and
-# bitsandbytes reads unpatched (whether or not the wrapper still calls the fix's). Either way status()
-# must not say "patched". A (*args, **kwargs) wrapper of the register function, seen before the fix
-# turns on, hides nothing: bitsandbytes is patched too.
+# Another tool puts a function of its own in the place of one of bitsandbytes'. Before the fix turns on (an
+# explicit `import bnb_gc_fix`, no start-up hook), the fix goes into the functions it finds there, whoever
+# made them. After (the start-up hook), a new enable function takes the place of the fix's, and the modules
+# quantized then leak: status() must say so ("unprotected"), over axolotl's state; a new register
+# function that calls the fix's changes nothing (the hook functions are the fix's still).
 WRAPPED_BY_ANOTHER_TOOL = """
 from bitsandbytes.nn import parametrize
 if sys.argv[1] == "unnamed-enable-hook":
@@ -219,17 +221,17 @@ four_bit = quantized.checkpointed_counters(quantized.make())
 quantized.reset()
 status = bnb_gc_fix.status()
 print(json.dumps({
-    "state": status.state, "active": status.active, "worst": status.worst_library.name,
+    "state": status.state, "worst": status.worst.name,
     "libraries": {lib.name: lib.state for lib in status.libraries}, "four_bit": four_bit,
 }))
 """
 
 WRAPPED = {
     # (what is wrapped, whether the start-up hook runs): bitsandbytes' state, its 4-bit module leaks
-    ("unnamed-enable-hook", False): ("skipped", True),
-    ("args-kwargs-register", False): ("patched", False),
-    ("unnamed-enable-hook", True): ("unpatched", True),
-    ("args-kwargs-register", True): ("unpatched", False),  # the wrapper calls the fix's, which gates
+    ("unnamed-enable-hook", False): ("protected", False),
+    ("args-kwargs-register", False): ("protected", False),
+    ("unnamed-enable-hook", True): ("unprotected", True),
+    ("args-kwargs-register", True): ("protected", False),
 }
 
 
@@ -239,29 +241,27 @@ def test_status_is_the_worst_of_the_libraries_imported(wrapped: str, startup_hoo
     prelude: Prelude = "scenarios" if startup_hook else "scenarios-without-startup-hook"
     facts = run_code(WRAPPED_BY_ANOTHER_TOOL, wrapped, prelude=prelude, env=env).last_json
     state, leaks = WRAPPED[(wrapped, startup_hook)]
-    assert facts["libraries"] == {"bitsandbytes": state, "axolotl": "patched"}
+    assert facts["libraries"] == {"bitsandbytes": state, "axolotl": "not affected"}  # nothing quantized
     assert (facts["four_bit"][-1] > 0) is leaks
-    if state == "patched":
-        assert facts["four_bit"] == [0, 0, 0] and (facts["state"], facts["active"]) == ("patched", True)
-    else:  # what is not patched decides, over axolotl's patch
-        assert (facts["state"], facts["active"], facts["worst"]) == (state, False, "bitsandbytes")
+    assert (facts["state"], facts["worst"]) == (state, "bitsandbytes")  # the worst decides
 
 
 def test_cli_status_lists_axolotl() -> None:
     env = environment(None, PYTHONPATH=_pythonpath("0.19.0", "installed"))
     facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], env=env).stdout)
     axolotl = next(lib for lib in facts["libraries"] if lib["name"] == "axolotl")
-    assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True and axolotl["patched"] is True
-    assert "probe found a plain forward hook pair" in axolotl["reason"]
+    assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True
+    assert axolotl["state"] == "not affected" and "the fix is in axolotl 0.19.0" in axolotl["reason"]
     text = run_python(["-m", "bnb_gc_fix", "status"], env=env).stdout
-    assert "axolotl 0.19.0: patched" in text.splitlines()
+    release = "axolotl 0.19.0: a release that leaks this way without the fix (0.15.0 to before 0.20.0)"
+    assert f"{release}; here: not affected" in text.splitlines()
 
 
-def test_unexpected_axolotl_internals_mean_no_patch_and_one_warning() -> None:
+def test_unexpected_axolotl_code_means_nothing_changed_and_one_warning() -> None:
     code = """
         import warnings
         from axolotl.monkeypatch import moe_quant
-        moe_quant.replace_parameter_8bit = lambda module, param_name: None  # registers nothing
+        del moe_quant._disable_parametrization_cache  # a release without the function the fix needs
         original = moe_quant.replace_parameter_8bit
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -269,13 +269,12 @@ def test_unexpected_axolotl_internals_mean_no_patch_and_one_warning() -> None:
             bnb_gc_fix.activate()
         ours = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.PatchSkippedWarning)]
         axolotl = next(lib for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl")
-        print(json.dumps(dict(patched=axolotl.patched, reason=axolotl.reason, warnings=ours,
+        print(json.dumps(dict(state=axolotl.state, reason=axolotl.reason, warnings=ours,
             untouched=moe_quant.replace_parameter_8bit is original)))
         """
     facts = _snippet(code, prelude="scenarios-without-startup-hook")
-    assert facts["patched"] is False and facts["untouched"]
-    assert "got 0 enable and 0 disable cache hooks" in facts["reason"]
-    assert facts["reason"].endswith("nothing patched")
+    assert facts["state"] == "unprotected" and facts["untouched"]
+    assert "_disable_parametrization_cache is not a Python function" in facts["reason"]
     assert len(facts["warnings"]) == 1
 
 
@@ -283,7 +282,9 @@ REPAIR = """
 import torch
 from torch.utils.checkpoint import checkpoint
 import bnb_gc_fix, axolotl_moe8bit
-model = axolotl_moe8bit.build(layers=3)
+bnb_gc_fix.deactivate()
+model = axolotl_moe8bit.build(layers=3)  # quantized while the fix is off: axolotl's own plain pairs
+bnb_gc_fix.activate()
 before = axolotl_moe8bit.hook_counts(model)
 fixed = bnb_gc_fix.repair(model)
 again = bnb_gc_fix.repair(model)
@@ -300,16 +301,16 @@ print(json.dumps(dict(fixed=fixed, again=again, before=before, after=after, coun
 """
 
 
-def test_repair_fixes_a_model_quantized_by_axolotl_while_switched_off() -> None:
-    facts = _snippet(REPAIR, switch="0")
+def test_repair_takes_over_a_model_quantized_by_axolotl_while_the_fix_was_off() -> None:
+    facts = _snippet(REPAIR)
     assert facts["fixed"] == 3 and facts["again"] == 0  # one experts module per layer
-    assert facts["after"]["pre_hook_owners"] == ["bnb_gc_fix"]
+    assert facts["before"]["always_called"] == 0 and facts["after"]["always_called"] == 1
     assert facts["counters"] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("axolotl", FIXED)
 def test_repair_leaves_a_fixed_axolotl_pair_alone(axolotl: str) -> None:
-    facts = _snippet(REPAIR, axolotl=axolotl, switch="0")
+    facts = _snippet(REPAIR, axolotl=axolotl)
     assert facts["fixed"] == 0 and facts["before"] == facts["after"]
     assert facts["counters"] == [0, 0, 0]
 
@@ -335,14 +336,14 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
         from axolotl.monkeypatch import moe_quant
         import axolotl_moe8bit
         model = axolotl_moe8bit.build(layers=1)
-        patched = [lib.patched for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl"]
-        print(json.dumps(dict(failed=failed, waiting=waiting, patched=patched,
-            hooks=axolotl_moe8bit.hook_counts(model)["pre_hook_owners"])))
+        state = [lib.state for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl"]
+        print(json.dumps(dict(failed=failed, waiting=waiting, state=state,
+            hooks=axolotl_moe8bit.hook_counts(model)["always_called"])))
         """
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "armed: axolotl.monkeypatch.moe_quant is not imported yet; "
-        "the fix checks and patches it the moment it is"
+        "axolotl.monkeypatch.moe_quant is not imported yet (it is when a model is quantized); "
+        "the fix goes in the moment it is"
     ]
-    assert facts["patched"] == [True] and facts["hooks"] == ["bnb_gc_fix"]
+    assert facts["state"] == ["protected"] and facts["hooks"] == 1

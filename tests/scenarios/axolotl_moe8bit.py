@@ -62,13 +62,10 @@ def build(layers: int = 3, hidden: int = 32, experts: int = 4):  # type: ignore[
 
 
 def hook_counts(model) -> dict[str, int]:  # type: ignore[no-untyped-def]
-    """The first experts module's forward pre-hooks (the top-level package their code is in: axolotl's
-    own pair, or bnb_gc_fix's gate) and forward hooks, and how many of those are always-called."""
+    """The first experts module's forward pre-hooks and forward hooks, and how many of those are
+    always-called (axolotl's own pair before 0.20: none; where the fix took it over: its one)."""
     experts = model[0].experts
     return {
-        "pre_hook_owners": [
-            str(getattr(h, "__module__", "?")).split(".")[0] for h in experts._forward_pre_hooks.values()
-        ],
         "pre_hooks": len(experts._forward_pre_hooks),
         "hooks": len(experts._forward_hooks),
         "always_called": len(experts._forward_hooks_always_called),
@@ -87,7 +84,7 @@ def main() -> None:
         help="import bitsandbytes before axolotl (default: moe_quant first, which imports bitsandbytes "
         "itself, so the start-up hook fires while moe_quant is half-initialised)",
     )
-    parser.add_argument("--log", action="store_true", help="print bnb_gc_fix's log lines (DEBUG) to stdout")
+    parser.add_argument("--log", action="store_true", help="print bnb_gc_fix's log lines to stdout")
     args = parser.parse_args()
 
     if args.log:
@@ -127,7 +124,7 @@ def main() -> None:
     fix = sys.modules.get("bnb_gc_fix")
     if fix is not None:
         summary["libraries"] = [
-            {"name": lib.name, "version": lib.version, "affected": lib.affected, "patched": lib.patched}
+            {"name": lib.name, "version": lib.version, "affected": lib.affected, "state": lib.state}
             for lib in getattr(fix.status(), "libraries", ())
         ]
     report.finish(summary)
