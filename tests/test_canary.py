@@ -1,8 +1,8 @@
 """The canary: what bnb-gc-fix relies on inside torch and bitsandbytes, checked on the installed releases.
 
-The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, tells a
-module's live calls by the frame that called its pre-hook, and wraps bitsandbytes' functions by name.
-None of that is a public API: a new release may change any of it. Each test here states one such fact
+The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, gives
+bitsandbytes' two hook functions its code and wraps its register function. None of that is a public API
+of torch or bitsandbytes: a new release may change any of it. Each test here states one such fact
 and fails loudly (it never skips) when the installed release no longer has it; the cell ``latest``
 (cells.toml) runs it on the newest torch, bitsandbytes and transformers of the day, and the README's
 test command and every stack cell run it too.
@@ -47,18 +47,8 @@ def fact(group: str, name: str) -> Any:
 # --- torch.nn.Module ----------------------------------------------------------------------------------
 
 
-def test_a_pre_hooks_caller_frame_is_on_the_stack_until_the_call_returns() -> None:
-    """The gate notes the frame that called its pre-hook (torch's ``Module._call_impl``) and holds the
-    call live while that frame is on the stack: in the forward and the forward hooks, not after."""
-    assert fact("torch", "pre_hook_caller_frame") == {
-        "forward": True,
-        "forward_hook": True,
-        "after_the_call": False,
-    }
-
-
 def test_hook_dictionaries_are_keyed_by_handle_id() -> None:
-    """The gate edits ``_forward_pre_hooks``, ``_forward_pre_hooks_with_kwargs``, ``_forward_hooks``,
+    """The fix edits ``_forward_pre_hooks``, ``_forward_pre_hooks_with_kwargs``, ``_forward_hooks``,
     ``_forward_hooks_with_kwargs`` and ``_forward_hooks_always_called`` by the handles' ids."""
     found = fact("torch", "hook_dictionaries")
     assert all(found["ordered_dicts"].values()), found
@@ -72,16 +62,17 @@ def test_hook_dictionaries_are_keyed_by_handle_id() -> None:
 
 
 def test_torch_runs_what_the_hook_dictionaries_hold_in_their_order() -> None:
-    """A hook assigned to an existing key runs in that key's place (the gate takes the place of the pair
-    it replaces), a deleted key's hook no longer runs, and an OrderedDict subclass of one's own as
-    ``_forward_hooks_always_called`` is honoured (the gate's, which pickles without its entry)."""
-    assert fact("torch", "hooks_run_from_the_dictionaries") == ["pre-a", "pre-replaced", "post-b"]
+    """A hook assigned to an existing key runs in that key's place, a deleted key's hook no longer runs,
+    and a key put into ``_forward_hooks_always_called`` by hand makes its hook run when a pre-hook raises
+    (the fix folds a module's pairs into one, its off hook always called)."""
+    expected = ["pre-a", "pre-replaced", "post-b", "pre-a", "pre-replaced", "post-b", "raised"]
+    assert fact("torch", "hooks_run_from_the_dictionaries") == expected
 
 
 def test_only_always_called_hooks_run_when_a_forward_raises_and_none_on_keyboard_interrupt() -> None:
     """An Exception leaving a forward (checkpointing's early stop) runs always-called hooks only, which is
-    why the gate's forward hook is one; a BaseException (Ctrl-C) runs none, which is what the gate's
-    healing at the next forward is for."""
+    why the fix's forward hook is one; a BaseException (Ctrl-C) runs none, which is what the fix's
+    re-entry rule (the hold given back at the module's next forward) is for."""
     assert fact("torch", "hooks_when_the_forward_raises") == {
         "RuntimeError": ["always_call"],
         "KeyboardInterrupt": [],
@@ -108,7 +99,7 @@ def test_parametrize_cached_block_counts_and_empties_at_zero() -> None:
 
 
 def test_parametrized_attributes_are_cached_whenever_the_counter_is_above_zero() -> None:
-    """...in whatever dict the module global ``_cache`` is then: the gate releases by setting the counter
+    """...in whatever dict the module global ``_cache`` is then: the fix releases by setting the counter
     and binding a fresh dict, as bitsandbytes' own disable function does."""
     assert fact("parametrize", "cache_follows_the_counter") == {"stored_while_on": 1, "stored_while_off": 0}
 
@@ -117,13 +108,9 @@ def test_parametrized_attributes_are_cached_whenever_the_counter_is_above_zero()
 
 
 def test_compiler_switches() -> None:
-    """``torch.compiler.is_dynamo_compiling`` is folded to True in a trace and False in eager code (the
-    gate reads no frame in a trace); ``torch.compiler.disable`` keeps a function out of the trace."""
-    assert fact("dynamo", "switches") == {
-        "folded_true_when_traced": True,
-        "false_in_eager": True,
-        "disable_runs_eagerly": True,
-    }
+    """``torch.compiler.is_dynamo_compiling`` is folded to True in a trace and False in eager code (a
+    hold taken in a trace gets ticket 0, so Dynamo compiles no graph anew for each)."""
+    assert fact("dynamo", "switches") == {"folded_true_when_traced": True, "false_in_eager": True}
 
 
 # --- bitsandbytes ----------------------------------------------------------------------------------------
@@ -137,7 +124,8 @@ def test_bitsandbytes_is_installed_with_the_parametrize_module() -> None:
 
 
 def test_bitsandbytes_functions() -> None:
-    """The functions the package wraps, and ``replace_parameter_4bit(module, param_name, ...)``."""
+    """The hook functions the fix gives its code, the register function it wraps, and
+    ``replace_parameter_4bit(module, param_name, ...)``."""
     found = fact("bitsandbytes", "functions")
     assert found == {
         "_register_parametrization_hooks": True,
@@ -147,9 +135,17 @@ def test_bitsandbytes_functions() -> None:
     }
 
 
+def test_a_hook_function_given_other_code_keeps_its_identity_and_a_module_runs_the_new_code() -> None:
+    assert fact("bitsandbytes", "code_replaced_in_place") == {
+        "ran": ["other"],
+        "same_object": True,
+        "counter": 0,
+    }
+
+
 def test_bitsandbytes_registers_one_named_pair_per_parameter() -> None:
-    """What the package's probe and the gate recognise: one enable pre-hook and one disable forward hook,
-    by these names, from bitsandbytes.nn.parametrize; plain in the affected range, always-called after."""
+    """What the fix takes over: one enable pre-hook and one disable forward hook per parameter, bitsandbytes'
+    own functions; plain in the affected range, always-called after."""
     expected = {
         "pre_hooks": [ENABLE],
         "forward_hooks": [DISABLE],

@@ -9,7 +9,6 @@ it loads with bitsandbytes' own code, as the control does.
 
 from __future__ import annotations
 
-import io
 import pickletools
 import zipfile
 from pathlib import Path

@@ -1,10 +1,8 @@
 """The start-up files: the package's own installation only, and Python 3.15's ``.start`` file.
 
-* A ``bnb_gc_fix.py`` (or a module named like one of our top-level modules) in the working directory
-  once ran at ``import bitsandbytes``, because the start-up hook imported the package by name after
-  Python had put that directory first on ``sys.path``; the real fix then silently stayed off. Plain
-  Python, and the control (``BNB_GC_FIX=0``), run nothing of it. Now the start-up hook loads the package
-  from the folder it was installed in.
+* A ``bnb_gc_fix.py`` in the working directory never runs when the start-up hook imports the package
+  (it loads the package from the folder it was installed in); plain Python, and the control
+  (``BNB_GC_FIX=0``), run nothing of it either.
 * PEP 829 (Python 3.15+): ``import`` lines in ``.pth`` files warn from 3.15 and are ignored from 3.18;
   a ``<name>.start`` file holding an entry point (``module:callable``) replaces them, and where a
   matching ``.start`` file exists the ``.pth`` file's import line is not run. No 3.15 interpreter can be
@@ -41,7 +39,7 @@ package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "counters": counters,
     "package": getattr(package, "__file__", None),
-    "via": package.status().via if package is not None else None,
+    "by": package.status().turned_on_by if package is not None else None,
 }))
 """
 
@@ -69,7 +67,7 @@ def test_a_module_of_our_name_in_the_working_directory_never_runs_and_the_fix_tu
     assert fixed["shadows that ran"] == []
     assert fixed["package"] == str(ROOT / "bnb_gc_fix" / "__init__.py")
     assert fixed["counters"] == [0, 0, 0]
-    assert fixed["via"] == "start-up hook"
+    assert fixed["by"] == "the start-up hook"
     # The control: nothing of the shadows runs either, and bitsandbytes' pair does what it does.
     control = _shadowed_run(tmp_path, how, "0")
     assert control["shadows that ran"] == [] and control["package"] is None
@@ -81,7 +79,7 @@ def test_a_module_of_our_name_in_the_working_directory_never_runs_and_the_fix_tu
 
 # --- bnb_gc_fix.start ------------------------------------------------------------------------------
 
-START = ROOT / "bnb_gc_fix.start"
+START = ROOT / "zz_bnb_gc_fix.start"
 
 # A fresh interpreter started with -S (no site: no .pth file processed), given the site-packages
 # folders and the paths their .pth files add, as a Python that runs .start files instead of .pth
@@ -107,7 +105,7 @@ for _ in range(int(sys.argv[2])):
 """
 
 WATCHERS_AND_TRAINING = """
-watchers = [f for f in sys.meta_path if getattr(f, "bnb_gc_fix_watcher", False)]
+watchers = [f for f in sys.meta_path if type(f).__name__ == "Watcher"]
 import torch
 import quantized
 module = quantized.make()
@@ -116,7 +114,7 @@ package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "watchers": len(watchers),
     "counters": counters,
-    "via": package.status().via if package is not None else None,
+    "by": package.status().turned_on_by if package is not None else None,
 }))
 """
 
@@ -128,10 +126,10 @@ def _site_packages() -> list[str]:
 
 def test_the_start_file_names_the_start_up_function_and_is_installed_beside_the_pth_file() -> None:
     lines = [line for line in START.read_text().splitlines() if line.strip()]
-    assert lines == ["_bnb_gc_fix.startup:install_quietly"]
-    installed = [Path(folder) / "bnb_gc_fix.start" for folder in _site_packages()]
+    assert lines == ["_bnb_gc_fix:install"]
+    installed = [Path(folder) / "zz_bnb_gc_fix.start" for folder in _site_packages()]
     assert any(path.exists() and path.read_text() == START.read_text() for path in installed)
-    assert any((path.parent / "bnb_gc_fix.pth").exists() for path in installed if path.exists())
+    assert any((path.parent / "zz_bnb_gc_fix.pth").exists() for path in installed if path.exists())
 
 
 def _as_python_3_15(calls: int, switch: str | None) -> dict[str, Any]:
@@ -148,12 +146,12 @@ def test_the_start_files_entry_point_alone_turns_the_fix_on_once_even_called_twi
     for run in (once, twice):
         assert run["watchers"] == 1
         assert run["counters"] == [0, 0, 0]
-        assert run["via"] == "start-up hook"
+        assert run["by"] == "the start-up hook"
 
 
 def test_the_start_files_entry_point_control_switched_off_installs_nothing() -> None:
     control = _as_python_3_15(calls=1, switch="0")
-    assert control["watchers"] == 0 and control["via"] is None
+    assert control["watchers"] == 0 and control["by"] is None
     if AFFECTED:
         assert control["counters"][-1] > control["counters"][0] > 0
     else:
@@ -162,7 +160,7 @@ def test_the_start_files_entry_point_control_switched_off_installs_nothing() -> 
 
 def test_the_start_up_function_called_again_after_the_pth_file_installs_no_second_watcher() -> None:
     # A Python that ran the .pth file's import line, and something (a .start file) calling it again.
-    code = "from _bnb_gc_fix import startup\nstartup.install_quietly()\n" + WATCHERS_AND_TRAINING
+    code = "import _bnb_gc_fix\n_bnb_gc_fix.install()\n" + WATCHERS_AND_TRAINING
     run = run_code(code, prelude="scenarios", switch=FIX).last_json
     assert run["watchers"] == 1 and run["counters"] == [0, 0, 0]
 
@@ -171,4 +169,4 @@ def test_this_python_is_not_one_that_runs_start_files() -> None:
     # What the tests above emulate: say so where a real one runs them (Python 3.15+), so that the
     # emulation is replaced by the real thing there.
     if sys.version_info >= (3, 15):
-        pytest.fail("Python 3.15+ runs .start files: test bnb_gc_fix.start on it directly")
+        pytest.fail("Python 3.15+ runs .start files: test zz_bnb_gc_fix.start on it directly")

@@ -1,13 +1,11 @@
 """An unrelated project's pytest run, in an environment where the package is installed: it must run as if
 the package were not there, warnings as errors included.
 
-pytest marks the packages of every installed plugin's distribution for assertion rewriting, and warns
-(an error under ``filterwarnings = error``) about each one already imported: the start-up hook imports
-the private package ``_bnb_gc_fix`` in every process, before pytest starts. Its docstring carries
-pytest's own marker, ``PYTEST_DONT_REWRITE``. The control is the same run with pytest's plugin autoload
-switched off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``): nothing of an installed plugin is marked or
-loaded, so it shows the project's own result. The wheel cell (nox) runs this file too, on the wheel
-installed in a fresh venv, where pytest reads the package's files from the wheel's RECORD.
+The package declares no pytest plugin, so nothing of it is marked for assertion rewriting or loaded by
+pytest; the start-up hook imports ``_bnb_gc_fix`` in every process, before pytest starts, and turns the
+fix on where a test imports bitsandbytes' 4-bit module. The control is the same run with pytest's plugin
+autoload switched off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``), which shows the project's own result. The
+wheel cell (nox) runs this file too, on the wheel installed in a fresh venv.
 """
 
 from __future__ import annotations

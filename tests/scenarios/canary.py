@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import inspect
 import json
-import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -37,35 +36,7 @@ def fact(group: str, name: str) -> Callable[[Callable[[], Any]], Callable[[], An
     return record
 
 
-# --- torch.nn.Module: the frame of a call, and the hook dictionaries ----------------------------------
-
-
-@fact("torch", "pre_hook_caller_frame")
-def _pre_hook_caller_frame() -> Any:
-    """The frame that calls a forward pre-hook (torch's ``Module._call_impl``) is on the stack in the
-    forward and in the forward hooks of that call, and no longer once the call has returned."""
-    seen: dict[str, bool] = {}
-    caller: list[Any] = []
-
-    def on_stack() -> bool:
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame is caller[0]:
-                return True
-            frame = frame.f_back  # type: ignore[assignment]
-        return False
-
-    class Probe(nn.Module):
-        def forward(self, x: Any) -> Any:
-            seen["forward"] = on_stack()
-            return x
-
-    module = Probe()
-    module.register_forward_pre_hook(lambda m, args: caller.append(sys._getframe(1)))
-    module.register_forward_hook(lambda m, args, out: seen.__setitem__("forward_hook", on_stack()))
-    module(torch.zeros(1))
-    seen["after_the_call"] = on_stack()
-    return seen
+# --- torch.nn.Module: the hook dictionaries ----------------------------------------------------------
 
 
 HOOK_DICTS = (
@@ -100,8 +71,8 @@ def _hook_dictionaries() -> Any:
 @fact("torch", "hooks_run_from_the_dictionaries")
 def _hooks_run() -> Any:
     """torch runs what the dictionaries hold, in their order, when the call happens: a hook assigned to
-    an existing key runs in that key's place, a deleted key's hook is gone, and the always-called set
-    may be an OrderedDict subclass of one's own."""
+    an existing key runs in that key's place, a deleted key's hook is gone, and a key put into the
+    always-called dictionary by hand makes its hook run when the forward raises."""
     order: list[str] = []
     module = nn.Linear(2, 2)
     keys = [
@@ -114,20 +85,24 @@ def _hooks_run() -> Any:
     module._forward_pre_hooks[keys[1]] = lambda m, a: order.append("pre-replaced")
     del module._forward_pre_hooks[keys[2]]
     del module._forward_hooks[post[0]]
-
-    class Always(collections.OrderedDict):  # type: ignore[type-arg]
-        pass
-
-    module._forward_hooks_always_called = Always(module._forward_hooks_always_called.items())
     module._forward_hooks_always_called[post[1]] = True
     module(torch.zeros(2))
+
+    def raising(m: nn.Module, args: Any) -> None:
+        raise RuntimeError("a pre-hook registered after the others raises")
+
+    module.register_forward_pre_hook(raising)
+    try:
+        module(torch.zeros(2))
+    except RuntimeError:
+        order.append("raised")
     return order
 
 
 @fact("torch", "hooks_when_the_forward_raises")
 def _hooks_when_raising() -> Any:
     """Which forward hooks run when the forward raises: always-called ones for an Exception; for a
-    BaseException (KeyboardInterrupt) none (the gate heals that hold at the next forward instead)."""
+    BaseException (KeyboardInterrupt) none (the fix gives that hold back at the next forward instead)."""
     out: dict[str, list[str]] = {}
     for raised in (RuntimeError, KeyboardInterrupt):
         ran: list[str] = []
@@ -191,7 +166,7 @@ def _cached_block() -> Any:
 @fact("parametrize", "cache_follows_the_counter")
 def _follows_counter() -> Any:
     """A parametrized attribute is cached whenever the counter is above zero, in whatever dict the module
-    global ``_cache`` is at that moment (the gate and bitsandbytes set both by hand)."""
+    global ``_cache`` is at that moment (the fix and bitsandbytes set both by hand)."""
     module = parametrized()
     P._cache_enabled += 1
     P._cache = {}
@@ -215,24 +190,25 @@ def _switches() -> Any:
         return x + (1 if compiling() else 0)
 
     compiled = torch.compile(traced, backend="eager", fullgraph=True)
-    eager_only = torch.compiler.disable(lambda: compiling())
     return {
         "folded_true_when_traced": float(compiled(torch.zeros(1))[0]) == 1.0,
         "false_in_eager": float(traced(torch.zeros(1))[0]) == 0.0,
-        "disable_runs_eagerly": torch.compile(lambda: eager_only(), backend="eager")() is False,
     }
 
 
-# --- bitsandbytes: the functions the package wraps and what they register ---------------------------
+# --- bitsandbytes: the functions the fix goes into, and what they register ------------------------------
+
+ENABLE = "_enable_parametrization_cache"
+DISABLE = "_disable_parametrization_cache"
 
 
 def _bitsandbytes() -> None:
     import bitsandbytes
     from bitsandbytes.nn import parametrize as bnb
 
-    import _bnb_gc_fix as words  # the package's statement of what it needs
+    import _bnb_gc_fix  # the package's statement of the library
 
-    target = words.BITSANDBYTES
+    target = _bnb_gc_fix.BITSANDBYTES
 
     group = FACTS["bitsandbytes"]
     group["version"] = getattr(bitsandbytes, "__version__", None)
@@ -240,14 +216,16 @@ def _bitsandbytes() -> None:
 
     @fact("bitsandbytes", "functions")
     def _functions() -> Any:
-        """The functions the package wraps (and the one that quantizes), each callable with a module and
-        a parameter's name first (the probe's and the register wrapper's call)."""
-        out = {}
-        for name in (target.register, words.ENABLE_HOOK, words.DISABLE_HOOK, "replace_parameter_4bit"):
+        """The two hook functions, plain Python functions of exactly torch's hook arguments, no closure (the
+        fix gives them its code); the register function and the quantizer, callable with a module and a
+        parameter's name first."""
+        out: dict[str, Any] = {}
+        for name, arguments in ((ENABLE, 2), (DISABLE, 3)):
             function = getattr(bnb, name, None)
-            if function is None:
-                out[name] = "missing"
-                continue
+            code = getattr(function, "__code__", None)
+            out[name] = code is not None and code.co_argcount == arguments and function.__closure__ is None
+        for name in (target.register, "replace_parameter_4bit"):
+            function = getattr(bnb, name, None)
             positional = [
                 p
                 for p in inspect.signature(function).parameters.values()
@@ -255,6 +233,26 @@ def _bitsandbytes() -> None:
             ]
             out[name] = callable(function) and len(positional) >= 2
         return out
+
+    @fact("bitsandbytes", "code_replaced_in_place")
+    def _code_replaced() -> Any:
+        """A hook function given other code (``__code__``, ``__defaults__``) keeps its identity, and a
+        module holding it runs the new code (Python's data model; checked on this interpreter)."""
+        enable = getattr(bnb, ENABLE)
+        own = (enable.__code__, enable.__defaults__)
+        calls: list[str] = []
+
+        def other(module: Any, inputs: Any, record: Any = calls.append) -> None:
+            record("other")
+
+        module = nn.Linear(2, 2)
+        module.register_forward_pre_hook(enable)
+        try:
+            enable.__code__, enable.__defaults__ = other.__code__, other.__defaults__
+            module(torch.zeros(2))
+        finally:
+            enable.__code__, enable.__defaults__ = own
+        return {"ran": calls, "same_object": getattr(bnb, ENABLE) is enable, "counter": P._cache_enabled}
 
     @fact("bitsandbytes", "registered_pair")
     def _registered_pair() -> Any:
