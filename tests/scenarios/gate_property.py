@@ -34,7 +34,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.nn.utils.parametrize as P
@@ -157,7 +157,7 @@ def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
 @dataclass
 class Running:
     module: int
-    hold: Optional[int]  # the hold's number; None once given back
+    hold: int | None  # the hold's number; None once given back
 
 
 @dataclass
