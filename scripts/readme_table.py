@@ -149,10 +149,10 @@ def _matrix_rows(cell: dict[str, Any]) -> list[str]:
             does = "steps aside"
         elif any(leaked):
             leak = f"**yes**: counter {_counters(leaked)}"
-            does = "patches"
+            does = "fixes it"
         else:
             leak = f"no: reentrant checkpointing (counter {_counters(leaked)})"
-            does = "patches (harmless)"
+            does = "fixes it (nothing to fix)"
         rows.append(
             [python, torch, bnb, shown, leak, does, f"counter {_counters(_property(fix, 'counters'))}"]
         )
@@ -166,7 +166,7 @@ def _stack_row(cell: dict[str, Any]) -> str:
     control = next(iter(_tests(cell, "test_tiny_olmoe_control_leaks_without_fix").values()), {})
     fixed = _property(fix, "counters") or []
     leaked = _property(control, "counters") or []
-    does = "patches" if _property(fix, "active") is True else "steps aside"
+    does = "fixes it" if _property(fix, "state") == "protected" else "steps aside"
     leak = f"no: upstream fix (counter {_counters(leaked)})" if does == "steps aside" else "no"
     if any(leaked):
         leak = f"**yes**: counter {_counters(leaked)}"

@@ -16,7 +16,7 @@ from conftest import AFFECTED, FIX, run_code, tiny_olmoe
 def test_tiny_olmoe_with_fix_ends_every_step_at_zero(record_property: Any) -> None:
     run = tiny_olmoe("--steps", "5", "--import-fix")
     record_property("counters", [s["counter"] for s in run.steps])
-    record_property("state", run.summary["state"])
+    record_property("state", json.dumps(run.summary["state"]))
     assert len(run.steps) == 5
     assert [s["counter"] for s in run.steps] == [0] * 5
     assert [s["cache_bytes"] for s in run.steps] == [0] * 5
