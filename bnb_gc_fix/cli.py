@@ -101,7 +101,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _print_check(result: Any, current: Status) -> None:
     bitsandbytes = current.libraries[0].version
     print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {current_torch()}, device {result.device}")
-    print(current.lines()[0])  # the state, as `bnb-gc-fix status` and status() say it
+    print(result.state)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:

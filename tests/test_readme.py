@@ -1,10 +1,12 @@
 """The documentation cannot drift from the code: the README's Quick start commands are the ones
-``.ci/run`` runs, the matrix table is rendered from the committed results, and every console block of
-README.md and docs/*.md is what its commands print now (each run here, in fresh processes)."""
+``.ci/run`` runs, its table of who is affected says the releases the package states, the matrix table is
+rendered from the committed results, and every console block of README.md and docs/*.md is what its
+commands print now (each run here, in fresh processes)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +28,34 @@ def test_ci_runs_the_readme_quick_start_commands_exactly() -> None:
     assert readme and readme == ci, (readme, ci)
 
 
+def _releases() -> dict[str, tuple[str, str]]:
+    """Each library's first affected and first fixed release, as the package states them (read in a
+    fresh interpreter, from the module the start-up hook loads)."""
+    code = (
+        "import _bnb_gc_fix, json; "
+        "print(json.dumps({l.name: [l.first_affected, l.first_fixed] for l in _bnb_gc_fix.LIBRARIES}))"
+    )
+    found = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    return {name: (first, fixed) for name, (first, fixed) in found.items()}
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_the_readmes_table_of_who_is_affected_says_the_releases_the_package_states() -> None:
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| ")]
+    releases = _releases()
+    first, fixed = releases["bitsandbytes"]
+    assert any(f"bitsandbytes {first}-" in row and "**yes**" in row for row in rows), rows
+    major, minor = _minor(fixed)
+    assert any(f"bitsandbytes {major}.{minor} or later" in row for row in rows), rows
+    first, fixed = releases["axolotl"]
+    (major, minor), (_, fixed_minor) = _minor(first), _minor(fixed)
+    assert any(f"axolotl {major}.{minor}-{major}.{fixed_minor - 1}," in row for row in rows), rows
+
+
 def test_the_matrix_table_is_rendered_from_the_committed_results() -> None:
     page = readme_table.MATRIX_PAGE.read_text()
     table = readme_table.render(json.loads(readme_table.MATRIX.read_text()))
@@ -34,7 +64,7 @@ def test_the_matrix_table_is_rendered_from_the_committed_results() -> None:
 
 def test_every_console_block_is_generated() -> None:
     names = {name for _, name in BLOCKS}
-    assert {"check-output", "status-output", "api-output", "plugin-output"} <= names, names
+    assert {"check-output", "status-output", "api-output"} <= names, names
     for document in readme_table.documents():
         assert not readme_table.ungenerated_console_fences(document.read_text()), document
 
