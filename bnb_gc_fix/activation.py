@@ -182,14 +182,17 @@ def activate(via: str = ACTIVATE) -> None:
 
 
 def imported(name: str) -> None:
-    """The watcher's word that the module ``name`` has been imported (or imported again)."""
+    """The watcher's word that the module ``name`` has been imported (or imported again): nothing was
+    quantized with it yet. Never raises."""
+    library = next((library for library in LIBRARIES if library.module == name), None)
+    module = sys.modules.get(name)
+    if library is None or module is None:
+        return
     try:
         with _lock:
-            for library in LIBRARIES:
-                module = sys.modules.get(name)
-                if library.module == name and module is not None and process.turned_on_by is not None:
-                    process.decisions[library.name].late = False
-                    _decide(library, module)
+            if process.turned_on_by is not None:
+                process.decisions[library.name].late = False
+                _decide(library, module)
     except Exception as error:
         warn_quietly(
             f"bnb-gc-fix could not patch {name}: {type(error).__name__}: {error}", PatchSkippedWarning

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import copy
 import logging
 import re
 import sys
@@ -115,7 +116,7 @@ class StrayOff:
 
 @dataclass(frozen=True)
 class Repair:
-    """``bnb_gc_fix.repair()`` of every module."""
+    """``bnb_gc_fix.repair()`` of a module not taken over yet."""
 
 
 @dataclass(frozen=True)
@@ -452,14 +453,15 @@ def stray_off(world: World, me: int) -> None:
 
 
 def repair(world: World) -> None:
-    others = sum(world.oracle.cached)  # holds the fix's hooks did not take
+    """``repair()`` of a deep copy of a module (it holds a pair of the fix's and is not taken over yet):
+    refused exactly while holds the fix's hooks did not take exist (open P.cached() blocks here)."""
+    others = sum(world.oracle.cached)
     try:
-        bnb_gc_fix.repair(nn.ModuleList(world.nodes))
-        refused = False
+        taken = bnb_gc_fix.repair(copy.deepcopy(world.nodes[0]))
     except RuntimeError:
-        refused = True
-    if refused != (others > 0):
-        world.oracle.failures.append(f"repair() refused: {refused}, with {others} holds not the fix's")
+        taken = None
+    if (taken is None) != (others > 0) or taken not in (None, 1):
+        world.oracle.failures.append(f"repair() took over {taken} modules, with {others} holds not the fix's")
     world.oracle.check("after repair()")
 
 
