@@ -1,0 +1,141 @@
+"""The documented ``conftest.py`` (docs/test-suites.md), loaded from the page itself so that it cannot rot,
+run by real pytest runs on a small suite, each beside its control (the same suite without it).
+
+The suite: an innocent test, a test whose checkpointed step through a 4-bit module leaves the cache on, a
+test that fails on its own after leaking, a module-scoped fixture that leaks while it is set up, and a
+test after each that asserts it starts clean.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, SCENARIOS, environment
+
+pytestmark = pytest.mark.usefixtures("startup_hook_installed")
+
+FIRST_LINE = "# conftest.py: bnb-gc-fix leak check"
+
+COUNTER = "import torch.nn.utils.parametrize as P\n"
+SUITE = {
+    "test_a_leak.py": COUNTER
+    + """
+import quantized
+
+def test_innocent():
+    assert P._cache_enabled == 0
+
+def test_leaks():
+    quantized.checkpointed_counters(quantized.make(), steps=1)
+
+def test_after_the_leak_starts_clean():
+    assert P._cache_enabled == 0
+
+def test_fails_on_its_own_after_leaking():
+    quantized.checkpointed_counters(quantized.make(), steps=1)
+    assert False, "the test's own failure"
+
+def test_after_that_starts_clean():
+    assert P._cache_enabled == 0
+""",
+    "test_b_fixture.py": COUNTER
+    + """
+import pytest
+import quantized
+
+@pytest.fixture(scope="module")
+def warmed():
+    module = quantized.make()
+    quantized.checkpointed_counters(module, steps=1)  # a checkpointed warm-up step in the fixture
+    return module
+
+def test_uses_the_model(warmed):
+    pass
+
+def test_uses_it_again(warmed):
+    pass
+
+def test_never_uses_it():
+    assert P._cache_enabled == 0
+""",
+}
+
+
+def conftest_block() -> str:
+    """The fenced python block of docs/test-suites.md whose first line is FIRST_LINE."""
+    page = (ROOT / "docs" / "test-suites.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    [block] = [block for block in blocks if block.splitlines()[0] == FIRST_LINE]
+    return block
+
+
+def _suite(folder: Path, with_conftest: bool) -> Path:
+    folder.mkdir()
+    for name, source in SUITE.items():
+        (folder / name).write_text(source)
+    if with_conftest:
+        (folder / "conftest.py").write_text(conftest_block())
+    return folder
+
+
+def _pytest(folder: Path, switch: str | None, *options: str) -> dict[str, str]:
+    """Each test's outcome (``passed``, ``failed``, ``error``), and the run's output under ``"output"``."""
+    env = environment(switch, PYTHONPATH=str(SCENARIOS))
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", *options]
+    run = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    outcomes = {"output": run.stdout + run.stderr}
+    for line in run.stdout.splitlines():
+        found = re.match(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", line)
+        if found:
+            outcomes[found[2]] = found[1].lower()
+    return outcomes
+
+
+def _without_output(outcomes: dict[str, str]) -> dict[str, str]:
+    return {test: outcome for test, outcome in outcomes.items() if test != "output"}
+
+
+EXPECTED = {
+    "test_innocent": "passed",
+    "test_leaks": "failed",
+    "test_after_the_leak_starts_clean": "passed",
+    "test_fails_on_its_own_after_leaking": "failed",
+    "test_after_that_starts_clean": "passed",
+    "test_uses_the_model": "error",  # the module-scoped fixture leaked while it was set up, in its setup
+    "test_uses_it_again": "passed",
+    "test_never_uses_it": "passed",
+}
+
+
+@pytest.mark.parametrize("options", [(), ("-n", "2")], ids=["one-process", "xdist"])
+def test_the_documented_conftest_fails_exactly_the_leaking_test_and_fixture(
+    tmp_path: Path, options: tuple[str, ...]
+) -> None:
+    # BNB_GC_FIX unset and the start-up hook installed: the block switches the fix off by itself.
+    checked = _pytest(_suite(tmp_path / "checked", with_conftest=True), None, *options)
+    assert _without_output(checked) == EXPECTED, checked["output"]
+    output = checked["output"]
+    assert output.count("torch's parametrization cache was left switched on (counter 0 -> ") == 2, output
+    assert "AssertionError: the test's own failure" in output  # its own failure, never replaced
+    if options:
+        return
+    # The controls: without the block, the fix (on by default) hides the leak: a false all-clear...
+    hidden = _without_output(_pytest(_suite(tmp_path / "hidden", with_conftest=False), None))
+    assert hidden["test_leaks"] == hidden["test_uses_the_model"] == "passed", hidden
+    # ...and with the fix off, nothing catches the leak, which poisons the tests after it.
+    poisoned = _pytest(_suite(tmp_path / "poisoned", with_conftest=False), "0")
+    assert _without_output(poisoned)["test_leaks"] == "passed", poisoned["output"]
+    assert _without_output(poisoned)["test_after_the_leak_starts_clean"] == "failed", poisoned["output"]
+    assert _without_output(poisoned)["test_never_uses_it"] == "failed", poisoned["output"]
+
+
+def test_the_block_is_complete_as_it_stands_and_short() -> None:
+    block = conftest_block()
+    compile(block, "conftest.py", "exec")  # it runs as a file of its own: no name it does not define
+    code = [line for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+    assert len(code) <= 40, len(code)
+    assert "import torch" not in block  # it reads torch's module only if something imported it

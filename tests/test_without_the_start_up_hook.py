@@ -1,0 +1,94 @@
+"""Where the start-up hook cannot run, the two documented ways turn the fix on, each beside its control.
+
+The package is installed with ``pip install --target`` into a folder on ``PYTHONPATH``, which Python puts
+on ``sys.path`` without processing its ``.pth`` files, as where it is installed outside site-packages (a
+shared ``PYTHONPATH``). The interpreter is a venv of its own that sees this environment's packages (torch,
+bitsandbytes) through a plain path line, which does not process the ``.pth`` files there either: nothing of
+the package runs at start. Then a ``sitecustomize.py`` of the user's own with ``import bnb_gc_fix``, or
+that line at the top of the script, turns the fix on; without them the same script leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import venv
+from pathlib import Path
+
+import pytest
+from conftest import AFFECTED, ROOT, SCENARIOS, environment, run_python
+
+pytestmark = pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: a leak to fix")
+
+# A training script that never imports the package; its last line says what happened.
+TRAIN = f"""
+import json, sys
+sys.path.insert(0, {str(SCENARIOS)!r})
+import quantized
+counters = quantized.checkpointed_counters(quantized.make())
+print(json.dumps({{"counters": counters, "package": "bnb_gc_fix" in sys.modules}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A venv without the package's start-up hook, and a folder the package is installed into."""
+    root = tmp_path_factory.mktemp("elsewhere")
+    venv.EnvBuilder(with_pip=False).create(root / "venv")
+    python = root / "venv" / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    target = root / "installed"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(ROOT)]
+    subprocess.run(pip, check=True, capture_output=True, timeout=600)
+    return python, target
+
+
+def _train(python: Path, folders: list[Path], script: str, tmp_path: Path) -> dict[str, object]:
+    path = tmp_path / "train.py"
+    path.write_text(script)
+    env = environment(PYTHONPATH=os.pathsep.join(map(str, folders)))
+    run = run_python([str(path)], env=env, executable=str(python), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    return dict(run.last_json)
+
+
+def test_the_start_up_hook_does_not_run_there(elsewhere: tuple[Path, Path], tmp_path: Path) -> None:
+    python, target = elsewhere
+    assert (target / "zz_bnb_gc_fix.pth").exists()  # installed, and not processed
+    out = _train(python, [target], TRAIN, tmp_path)
+    assert out["package"] is False and out["counters"][-1] > out["counters"][0] > 0  # type: ignore[index]
+
+
+def test_a_sitecustomize_of_ones_own_turns_the_fix_on(elsewhere: tuple[Path, Path], tmp_path: Path) -> None:
+    python, target = elsewhere
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import bnb_gc_fix\n")
+    out = _train(python, [site, target], TRAIN, tmp_path)
+    assert out == {"counters": [0, 0, 0], "package": True}
+
+
+def test_the_import_at_the_top_of_the_script_turns_the_fix_on(
+    elsewhere: tuple[Path, Path], tmp_path: Path
+) -> None:
+    python, target = elsewhere
+    out = _train(python, [target], "import bnb_gc_fix\n" + TRAIN, tmp_path)
+    assert out == {"counters": [0, 0, 0], "package": True}
+
+
+def test_the_package_there_is_the_installed_one(elsewhere: tuple[Path, Path], tmp_path: Path) -> None:
+    python, target = elsewhere
+    code = "import bnb_gc_fix, json; print(json.dumps(bnb_gc_fix.__file__))"
+    out = run_python(
+        ["-c", code], env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path
+    )
+    assert json.loads(out.stdout) == str(target / "bnb_gc_fix" / "__init__.py")
