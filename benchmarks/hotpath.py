@@ -197,7 +197,7 @@ def served(threads: int, forwards: int, rounds: int) -> dict[str, Any]:
 
 
 TITLES = {
-    "hook_bodies": "a. Hook bodies called directly (0.50: two enable, two disable hooks; gate: enter, leave)",
+    "hook_bodies": "a. Hook bodies called directly (0.50: two enable, two disable hooks; gate: enable_code, disable_code)",
     "hooks_through_call": "a2. The same hooks through torch's module call, forward returns its input",
     "forward_1_thread": "b. A real 4-bit forward of the experts module, 1 thread",
     "forward_8_threads": "c. The same module served from 8 threads",

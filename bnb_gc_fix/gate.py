@@ -1,9 +1,9 @@
 """What a library's two hook functions do once the fix is on: exact holds on torch's parametrization cache.
 
 A *hold* is one count on torch's counter (``P._cache_enabled``; the cache is on while it is above 0),
-taken by a module's forward pre-hook (:func:`enter`) for that module on its thread. The module's forward
-hook (:func:`leave`), which torch calls even when the forward raises, gives it back, and the cache is
-emptied when the counter reaches 0. torch calls no hook when a ``BaseException`` (Ctrl-C) leaves a
+taken by a module's forward pre-hook (:func:`enable_code`) for that module on its thread. The module's
+forward hook (:func:`disable_code`), which torch calls even when the forward raises, gives it back, and the
+cache is emptied when the counter reaches 0. torch calls no hook when a ``BaseException`` (Ctrl-C) leaves a
 forward: such a hold is given back when the module is entered again on its thread, when a safety net's
 span that took it ends, when its thread ends, when the module is collected, or by :func:`reset`.
 
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator
 from types import FunctionType
 from typing import Any
 
@@ -37,9 +39,14 @@ class ThreadHolds(dict[int, int]):
     most, since a module entered again gives its earlier hold back first; between steps the holds are
     usually none, which keeps torch.compile's guards on them unchanged."""
 
-    def __del__(self) -> None:  # its thread ended; in a forked child, every thread but the one that forked
+    def give_back_all(self) -> None:
+        count = len(self)
+        give_back(count)
+        self.clear()
+
+    def __del__(self) -> None:  # its thread ended
         try:
-            _give_back(len(self))
+            self.give_back_all()
         except Exception:  # at interpreter shutdown, with modules half torn down
             pass
 
@@ -58,13 +65,18 @@ _taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
 _lock = threading.Lock()  # held while a module is taken over
 
 
-def _renew_lock() -> None:  # a forked child never waits on a lock another thread of its parent held
+def _in_a_forked_child() -> None:
+    """The parent's other threads are gone: give their holds back, and never wait on a lock they held."""
     global _lock
     _lock = threading.Lock()
+    mine = _local.holds
+    for holds in list(_EVERY_THREAD.values()):
+        if holds is not mine:
+            holds.give_back_all()
 
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
-    os.register_at_fork(after_in_child=_renew_lock)
+    os.register_at_fork(after_in_child=_in_a_forked_child)
 
 
 def _never_compiling() -> bool:  # a torch without torch.compiler.is_dynamo_compiling (before 2.3)
@@ -75,39 +87,9 @@ def _never_compiling() -> bool:  # a torch without torch.compiler.is_dynamo_comp
 _compiling = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 
-# --- the hooks -------------------------------------------------------------------------------------------
-# Neither names the thread's holds in a local variable: a forked child keeps the frames of its parent's
-# other threads, and such a name would keep their holds from being given back there.
-def enter(module: torch.nn.Module) -> None:
-    """The pre-hook: take the module over if that is still to do, then take one hold for it. A hold taken
-    in a torch.compile trace has ticket 0 (Dynamo would compile anew for each ticket): no safety net's span
-    holds it, and the module's next forward gives it back."""
-    key = id(module)
-    if key not in _taken_over:
-        taken = take_over(module)
-        if not taken:
-            P._cache_enabled += 1  # as the library's own hook does; leave() gives it back the same way
-            return
-    if key in _local.holds:  # entered again on this thread: its last call ended by Ctrl-C, or calls itself
-        _give_back(1)  # (a call of itself then reads its weights again: more dequantization, never a leak)
-    P._cache_enabled += 1
-    _local.holds[key] = 0 if _compiling() else next(tickets)
-
-
-def leave(module: torch.nn.Module) -> None:
-    """The forward hook: give back this thread's hold for the module."""
-    key = id(module)
-    if key not in _local.holds:
-        _leave_without_hold(module)
-        return
-    _give_back(1)
-    del _local.holds[key]
-
-
-def _give_back(count: int) -> None:
-    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0. Called before
-    the holds are forgotten: a fork in between leaves the child a hold too many, which it gives back
-    clamped, never one too few."""
+# --- giving back ---------------------------------------------------------------------------------------
+def give_back(count: int) -> None:
+    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0."""
     remaining = P._cache_enabled - count
     if remaining > 0:
         P._cache_enabled = remaining
@@ -116,7 +98,7 @@ def _give_back(count: int) -> None:
         P._cache = {}
 
 
-def _leave_without_hold(module: torch.nn.Module) -> None:
+def leave_without_hold(module: torch.nn.Module) -> None:
     """No hold to give back: none was taken (an earlier pre-hook raised), it was given back early, or the
     forward began before the fix turned on. Only in that last case is the module's off hook still plain
     (torch calls a plain one only after the forward and its pre-hooks ran), and the library's +1 is given
@@ -125,7 +107,7 @@ def _leave_without_hold(module: torch.nn.Module) -> None:
     hooks = getattr(module, "_forward_hooks", {})
     ours = [key for key, hook in hooks.items() if _is_disable(hook)]
     if not ours or ours[-1] not in always:
-        _give_back(1)
+        give_back(1)
 
 
 # --- taking a module over ------------------------------------------------------------------------------
@@ -181,7 +163,7 @@ def _collected(key: int) -> None:
     _taken_over.pop(key, None)
     for holds in list(_EVERY_THREAD.values()):
         if holds.pop(key, None) is not None:
-            _give_back(1)
+            give_back(1)
 
 
 def holds_a_pair(module: torch.nn.Module) -> bool:
@@ -203,7 +185,7 @@ def covered() -> list[torch.nn.Module]:
 def give_back_since(ticket: int) -> int:
     """Give back this thread's holds taken after ``ticket`` (a safety net's own); returns how many."""
     mine = [key for key, taken in list(_local.holds.items()) if taken > ticket]
-    _give_back(len(mine))
+    give_back(len(mine))
     for key in mine:
         del _local.holds[key]
     return len(mine)
@@ -226,12 +208,59 @@ def reset() -> int:
     return cache.release_all()
 
 
-# --- the code the libraries' hook functions get (patch.py) ------------------------------------------------
-# Each calls the function above through a default argument: the code runs with the library's module as its
-# globals, so it must name no global at all (tests/test_gate.py checks that).
-def enable_code(module: Any, inputs: Any, _enter: Any = enter) -> None:
-    _enter(module)
+# --- the hooks: the code the libraries' two hook functions get (patch.py) ---------------------------------
+# They run with the library's module as their globals (the functions keep their identity; only their code
+# changes), so every name they use comes through a default argument, bound here: tests/test_gate.py checks
+# that they load no global. A thread's holds never count fewer than its share of the counter: a hold is
+# noted before the counter is raised and forgotten after it is lowered, so a fork in between leaves the
+# child a hold to give back (clamped at 0), never a count it cannot.
 
 
-def disable_code(module: Any, inputs: Any, output: Any, _leave: Any = leave) -> None:
-    _leave(module)
+def enable_code(
+    module: Any,
+    inputs: Any,
+    _P: Any = P,  # noqa: N803 (torch's own name for the module)
+    _local: _Local = _local,
+    _taken_over: dict[int, weakref.ref[torch.nn.Module]] = _taken_over,
+    _tickets: Iterator[int] = tickets,
+    _compiling: Callable[[], bool] = _compiling,
+    _functions: Any = sys.modules[__name__],
+) -> None:
+    """The pre-hook: take one hold for the module on this thread, taking the module over first if that is
+    still to do. A hold taken in a torch.compile trace has ticket 0 (Dynamo would compile anew for each
+    ticket): no safety net's span holds it, and the module's next forward gives it back."""
+    key = id(module)
+    if key not in _taken_over:
+        taken = _functions.take_over(module)
+        if not taken:
+            _P._cache_enabled += 1  # as the library's own hook does; the off hook gives it back the same way
+            return
+    holds = _local.holds
+    if key in holds:  # entered again on this thread: its last call ended by Ctrl-C, or calls itself
+        _functions.give_back(1)  # (a call of itself then reads its weights again: never a leak)
+    holds[key] = 0 if _compiling() else next(_tickets)
+    _P._cache_enabled += 1
+
+
+def disable_code(
+    module: Any,
+    inputs: Any,
+    output: Any,
+    _P: Any = P,  # noqa: N803 (torch's own name for the module)
+    _local: _Local = _local,
+    _functions: Any = sys.modules[__name__],
+) -> None:
+    """The forward hook, always called: give back this thread's hold for the module (give_back(1) written
+    out: this is the hot path)."""
+    key = id(module)
+    holds = _local.holds
+    if key not in holds:
+        _functions.leave_without_hold(module)
+        return
+    remaining = _P._cache_enabled - 1
+    if remaining > 0:
+        _P._cache_enabled = remaining
+    else:
+        _P._cache_enabled = 0
+        _P._cache = {}
+    del holds[key]

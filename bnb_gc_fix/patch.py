@@ -50,7 +50,7 @@ def unexpected(module: ModuleType, library: Library) -> str | None:
         function = getattr(module, name, None)
         if not isinstance(function, FunctionType):
             return f"{library.module}.{name} is not a Python function"
-        expected = gate_code.__code__.co_argcount - 1  # the gate's code takes one more, its default
+        expected = gate_code.__code__.co_argcount - len(gate_code.__defaults__ or ())  # torch's arguments
         code = _own_code(function)
         starred = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
         plain = code.co_kwonlyargcount == 0 and not starred

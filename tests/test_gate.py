@@ -413,3 +413,26 @@ def test_unexpected_code_means_nothing_changed_and_one_warning(change: str, expe
     assert expected in facts["reason"]
     assert len(facts["warnings"]) == 1 and expected in facts["warnings"][0]
     assert facts["untouched"]
+
+
+# --- the hooks' code runs with the library's globals ------------------------------------------------
+
+
+def _globals_loaded(function: Any) -> set[str]:
+    """The names the function's code loads from its module's globals (builtins are every module's)."""
+    import builtins
+    import dis
+
+    loads = ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL")
+    names = {i.argval for i in dis.get_instructions(function) if i.opname in loads}
+    return {name for name in names if not hasattr(builtins, name)}
+
+
+def test_the_hooks_code_loads_no_global() -> None:
+    """The two functions' code runs as the library's hook functions, whose globals are the library's
+    module: a name loaded from the globals would be the library's, or missing."""
+    from bnb_gc_fix import gate
+
+    assert _globals_loaded(gate.enable_code) == set()
+    assert _globals_loaded(gate.disable_code) == set()
+    assert _globals_loaded(gate.give_back) == {"P"}  # control: the check sees a global load
