@@ -65,6 +65,15 @@ def test_never_uses_it():
 }
 
 
+# A plugin pytest loads before conftest.py (`-p early_plugin`): the start-up hook turns the fix on as it
+# imports bitsandbytes, so the block finds bnb-gc-fix loaded and must turn it off.
+EARLY_PLUGIN = """
+import sys
+import bitsandbytes.nn.parametrize
+assert "bnb_gc_fix" in sys.modules, "the start-up hook did not run"
+"""
+
+
 def conftest_block() -> str:
     """The fenced python block of docs/test-suites.md whose first line is FIRST_LINE."""
     page = (ROOT / "docs" / "test-suites.md").read_text()
@@ -77,6 +86,7 @@ def _suite(folder: Path, with_conftest: bool) -> Path:
     folder.mkdir()
     for name, source in SUITE.items():
         (folder / name).write_text(source)
+    (folder / "early_plugin.py").write_text(EARLY_PLUGIN)
     if with_conftest:
         (folder / "conftest.py").write_text(conftest_block())
     return folder
@@ -111,7 +121,16 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("options", [(), ("-n", "2")], ids=["one-process", "xdist"])
+ONE_PROCESS = ()
+FIX_ON_BEFORE_THE_CONFTEST = ("-p", "early_plugin")
+XDIST = ("-n", "2", "--dist", "loadfile")  # a module's tests on one worker: its fixture is set up once
+
+
+@pytest.mark.parametrize(
+    "options",
+    [ONE_PROCESS, FIX_ON_BEFORE_THE_CONFTEST, XDIST],
+    ids=["one-process", "fix-on-before-the-conftest", "xdist"],
+)
 def test_the_documented_conftest_fails_exactly_the_leaking_test_and_fixture(
     tmp_path: Path, options: tuple[str, ...]
 ) -> None:
@@ -121,7 +140,7 @@ def test_the_documented_conftest_fails_exactly_the_leaking_test_and_fixture(
     output = checked["output"]
     assert output.count("torch's parametrization cache was left switched on (counter 0 -> ") == 2, output
     assert "AssertionError: the test's own failure" in output  # its own failure, never replaced
-    if options:
+    if options != ONE_PROCESS:
         return
     # The controls: without the block, the fix (on by default) hides the leak: a false all-clear...
     hidden = _without_output(_pytest(_suite(tmp_path / "hidden", with_conftest=False), None))

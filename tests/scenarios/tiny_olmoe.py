@@ -6,7 +6,7 @@ Run as a script in a fresh interpreter by the tests (and usable by hand):
         [--weight-norm] [--guard] [--strict] [--layers 3]
 
 It imports ``bnb_gc_fix`` only with ``--import-fix`` (or ``--guard``), so the start-up hook and
-the runner can be tested with an unchanged script. The last line is a JSON summary.
+the fix's other ways in can be tested with an unchanged script. The last line is a JSON summary.
 """
 
 from __future__ import annotations
