@@ -78,6 +78,8 @@ AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
 LIBRARIES = (BITSANDBYTES, AXOLOTL)
 WATCHED = tuple(library.module for library in LIBRARIES)
 
+#: True once the start-up hook ran in this process (it does not where Python skips `.pth` files).
+started = False
 #: True while the start-up hook imports the package: the watcher then finds it where this module was
 #: installed (never a `bnb_gc_fix.py` in the working directory), and the package knows who turned it on.
 importing_package = False
@@ -181,6 +183,8 @@ def watch() -> None:
 def install() -> None:
     """The start-up hook: unless BNB_GC_FIX switches the fix off, watch, and turn the fix on at once for
     a watched module imported already. Prints nothing, raises nothing."""
+    global started
+    started = True
     try:
         if switched_off():
             return

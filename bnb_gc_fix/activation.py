@@ -13,14 +13,11 @@ import threading
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from packaging.version import InvalidVersion, Version
-
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
-
-MIN_TORCH = Version("2.1")  # forward hooks that torch calls when the forward raises (always_call)
+from bnb_gc_fix.releases import MIN_TORCH, affected, release, version_of
 
 IMPORT = "import bnb_gc_fix"
 STARTUP_HOOK = "the start-up hook"
@@ -53,7 +50,11 @@ class Process:
 
 
 process = Process()
-_lock = threading.RLock()
+_lock = threading.RLock()  # the package's one lock: held to turn the fix on or off, and to take a module over
+
+
+def lock() -> threading.RLock:
+    return _lock
 
 
 def _renew_lock() -> None:  # a forked child never waits on a lock another thread of its parent held
@@ -63,40 +64,6 @@ def _renew_lock() -> None:  # a forked child never waits on a lock another threa
 
 if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
     os.register_at_fork(after_in_child=_renew_lock)
-
-
-def version_of(name: str) -> str | None:
-    """``name.__version__`` if that module is imported (never imports it)."""
-    version = getattr(sys.modules.get(name), "__version__", None)
-    return None if version is None else str(version)
-
-
-def release(version: str | None) -> Version | None:
-    """The release numbers of a version (0.50.0.dev0 counts as 0.50.0); None when unreadable."""
-    try:
-        return Version(Version(str(version)).base_version)
-    except InvalidVersion:
-        return None
-
-
-def affected(library: Library, version: str | None) -> bool | None:
-    """Whether a release of the library registers the leaking pair (None: the version is unreadable)."""
-    number = release(version)
-    if number is None:
-        return None
-    return Version(library.first_affected) <= number < Version(library.first_fixed)
-
-
-def predates(library: Library, version: str | None) -> bool:
-    """Whether a release of the library comes before its first affected one (and has no such module)."""
-    number = release(version)
-    return number is not None and number < Version(library.first_affected)
-
-
-def fixed_upstream(library: Library, version: str | None) -> bool:
-    """Whether a release of the library is one of those that fixed the leak themselves."""
-    number = release(version)
-    return number is not None and number >= Version(library.first_fixed)
 
 
 def _why_not(library: Library, module: ModuleType) -> str | None:
@@ -116,6 +83,19 @@ def _why_not(library: Library, module: ModuleType) -> str | None:
     return patch.unexpected(module, library)
 
 
+def _held_while_off(module: ModuleType) -> int:
+    """Holds on torch's counter the fix's hooks did not take, while modules it took over hold the module's
+    hook functions. With the fix out of them (after ``deactivate()``) such a module's forward takes its
+    hold with the library's own code, which the fix's off hook, put in under that forward, never gives back.
+    """
+    from bnb_gc_fix import cache, gate
+
+    enable = getattr(module, "_enable_parametrization_cache", None)
+    if not gate.covering(enable):
+        return 0
+    return max(cache.counter() - gate.held_by_every_thread(), 0)
+
+
 def _decide(library: Library, module: ModuleType) -> None:
     """Put the fix into an imported library module where it is needed and can be."""
     from bnb_gc_fix import patch
@@ -123,6 +103,14 @@ def _decide(library: Library, module: ModuleType) -> None:
     decision = process.decisions[library.name]
     decision.decided = True
     decision.skipped = _why_not(library, module)
+    needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
+    held_while_off = 0 if patch.is_applied(module) else _held_while_off(module)
+    if needed and decision.skipped is None and held_while_off:
+        decision.skipped = (
+            f"torch's parametrization cache holds {held_while_off} holds taken while the fix was off, and "
+            "a forward that took them may still be running: call bnb_gc_fix.activate() once nothing runs "
+            "(after bnb_gc_fix.reset() if the counter is stuck)"
+        )
     if decision.skipped is not None:
         if not decision.warned:
             decision.warned = True
@@ -130,7 +118,6 @@ def _decide(library: Library, module: ModuleType) -> None:
                 f"bnb-gc-fix is not active for {library.name}: {decision.skipped}", PatchSkippedWarning
             )
         return
-    needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
     if needed:
         patch.apply(module, library)
         logger.info("the fix is in %s %s (%s)", library.name, version_of(library.name), library.module)
@@ -163,7 +150,7 @@ def activate(via: str = ACTIVATE) -> None:
     """Turn the fix on as ``BNB_GC_FIX`` says now: into each library's module now if it is imported, else
     the moment it is. Idempotent; never raises (a problem becomes a warning and a reason in status())."""
     try:
-        with _lock:
+        with lock():
             _read_switch()
             if process.mode == startup.OFF:
                 _turn_off(deactivated=False)
@@ -189,7 +176,7 @@ def imported(name: str) -> None:
     if library is None or module is None:
         return
     try:
-        with _lock:
+        with lock():
             if process.turned_on_by is not None:
                 process.decisions[library.name].late = False
                 _decide(library, module)
@@ -202,7 +189,7 @@ def imported(name: str) -> None:
 def deactivate() -> None:
     """Put every library's own code back, and forget the holds the fix kept (modules it took over keep
     one pair, always called: bitsandbytes 0.50's shape). ``activate()`` turns it on again."""
-    with _lock:
+    with lock():
         _turn_off(deactivated=True)
 
 

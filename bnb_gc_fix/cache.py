@@ -18,6 +18,11 @@ def parametrize() -> Any:
     return sys.modules.get(PARAMETRIZE)
 
 
+def gate() -> Any:
+    """bnb-gc-fix's gate module, or None while nothing has imported it (then the fix's hooks never ran)."""
+    return sys.modules.get("bnb_gc_fix.gate")
+
+
 def counter() -> int:
     return int(getattr(parametrize(), "_cache_enabled", 0))
 
@@ -26,19 +31,6 @@ def cached_bytes() -> int:
     tensor = getattr(sys.modules.get("torch"), "Tensor", None)
     values = getattr(parametrize(), "_cache", {}).values()
     return sum(v.numel() * v.element_size() for v in values if tensor is not None and isinstance(v, tensor))
-
-
-def give_back(count: int) -> None:
-    """Take ``count`` holds off the counter, never below 0; the cache is emptied at 0."""
-    module = parametrize()
-    if module is None:
-        return
-    remaining = module._cache_enabled - count
-    if remaining > 0:
-        module._cache_enabled = remaining
-    else:
-        module._cache_enabled = 0
-        module._cache = {}
 
 
 def release_all() -> int:

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from _bnb_gc_fix import BITSANDBYTES
-from bnb_gc_fix import cache
-from bnb_gc_fix.activation import MIN_TORCH, release
 from bnb_gc_fix.installed import try_import
+from bnb_gc_fix.releases import MIN_TORCH, release
+from bnb_gc_fix.repair import reset
 from bnb_gc_fix.status import status
 
 
@@ -116,7 +116,7 @@ def run(device: str | None = None, steps: int = 4) -> CheckResult:
             "nothing about the leak: it is a problem of this torch or bitsandbytes installation"
         ) from error
     finally:
-        cache.release_all()  # the check leaves nothing switched on in this process
+        reset()  # the check leaves nothing switched on in this process
 
 
 def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> CheckResult:
@@ -128,7 +128,7 @@ def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> Ch
     model = check_model.build(replace_parameter_4bit, device, adapted=False)
     check_model.train(model, device, steps, frozen)
     state = status().lines()[0]
-    cache.release_all()  # the second run starts clean, whatever the first left
+    reset()  # the second run starts clean, whatever the first left
     adapted: list[tuple[int, int, float]] = []
     error = None
     try:

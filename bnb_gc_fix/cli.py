@@ -12,8 +12,8 @@ from typing import Any, NoReturn
 
 from _bnb_gc_fix import LIBRARIES
 from bnb_gc_fix import __version__
-from bnb_gc_fix.activation import predates
 from bnb_gc_fix.installed import distribution_version, try_import
+from bnb_gc_fix.releases import predates
 from bnb_gc_fix.status import Status, status
 
 EXIT_PROTECTED = 0  # check: no leak, either way
@@ -55,7 +55,8 @@ def _versions() -> dict[str, str | None]:
 
 def _header() -> str:
     versions = _versions()
-    named = ", ".join(f"{name} {version or 'not installed'}" for name, version in list(versions.items())[2:])
+    libraries = {name: v for name, v in versions.items() if name not in ("bnb_gc_fix", "python")}
+    named = ", ".join(f"{name} {version or 'not installed'}" for name, version in libraries.items())
     return f"bnb-gc-fix {__version__} (Python {versions['python']}; installed: {named})"
 
 
@@ -100,8 +101,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _print_check(result: Any, current: Status) -> None:
     bitsandbytes = current.libraries[0].version
-    print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {current_torch()}, device {result.device}")
+    torch = getattr(sys.modules.get("torch"), "__version__", None)
+    print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {torch}, device {result.device}")
     print(result.state)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
+    print(current.lines()[1])  # the fix: on or off, and whether the start-up hook ran in this process
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:
@@ -123,10 +126,6 @@ def _print_check(result: Any, current: Status) -> None:
             "and saved fewer tensors than the forward did"
         )
     print(f"LEAK: {'; '.join(faces)}.")
-
-
-def current_torch() -> str | None:
-    return str(getattr(sys.modules.get("torch"), "__version__", None))
 
 
 def _steps(text: str) -> int:

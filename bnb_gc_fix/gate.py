@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.utils.parametrize as P
 
-from bnb_gc_fix import cache
+from bnb_gc_fix import activation, cache
 
 #: Each hold's ticket: a hold taken later has a larger one (a safety net gives back those after its own).
 tickets = itertools.count(1)
@@ -62,13 +62,10 @@ _local = _Local()
 
 #: The modules taken over, by ``id``; an entry goes when its module is collected.
 _taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
-_lock = threading.Lock()  # held while a module is taken over
 
 
 def _in_a_forked_child() -> None:
-    """The parent's other threads are gone: give their holds back, and never wait on a lock they held."""
-    global _lock
-    _lock = threading.Lock()
+    """The parent's other threads are gone: give their holds back."""
     mine = _local.holds
     for holds in list(_EVERY_THREAD.values()):
         if holds is not mine:
@@ -128,7 +125,7 @@ def take_over(module: torch.nn.Module) -> bool:
     places of the first enable and the last disable hook (every other hook keeps its place); returns
     whether it holds such a pair now. Never raises."""
     try:
-        with _lock:
+        with activation.lock():
             return _fold(module)
     except Exception:  # hook dictionaries that do not look as torch's: the library's own behaviour
         return False
@@ -179,6 +176,11 @@ def covered() -> list[torch.nn.Module]:
     """The modules taken over that are alive."""
     modules = (ref() for ref in list(_taken_over.values()))
     return [module for module in modules if module is not None]
+
+
+def covering(enable: object) -> int:
+    """How many of the modules taken over hold ``enable`` (a library's hook function) as a pre-hook."""
+    return sum(any(hook is enable for hook in m._forward_pre_hooks.values()) for m in covered())
 
 
 # --- for the safety nets, repair and reset --------------------------------------------------------------

@@ -11,18 +11,12 @@ still stands above where it stood when the span began, the net reports it, with 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from dataclasses import dataclass
 from types import TracebackType
 
 from bnb_gc_fix import cache
 from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
-
-
-def _gate() -> object | None:
-    """The gate's module; None while it was never imported (then the fix's hooks never ran)."""
-    return sys.modules.get("bnb_gc_fix.gate")
 
 
 @dataclass(frozen=True)
@@ -34,15 +28,15 @@ class Span:
 
     @classmethod
     def begin(cls) -> Span:
-        gate = _gate()
-        ticket = 0 if gate is None else next(gate.tickets)  # type: ignore[attr-defined]
+        gate = cache.gate()
+        ticket = 0 if gate is None else next(gate.tickets)
         return cls(ticket=ticket, counter=cache.counter())
 
     def end(self) -> Ending:
         """Give back this thread's holds taken in the span, and say what stays above the span's start."""
         cached = cache.cached_bytes()
-        gate = _gate()
-        given = 0 if gate is None else int(gate.give_back_since(self.ticket))  # type: ignore[attr-defined]
+        gate = cache.gate()
+        given = 0 if gate is None else int(gate.give_back_since(self.ticket))
         left = max(cache.counter() - self.counter, 0)
         return Ending(given_back=given, left=left, cached_bytes=cached)
 
@@ -78,6 +72,15 @@ class Ending:
             )
         return "; ".join(parts) + "."
 
+    def tell(self, who: str, where: str, strict: bool) -> None:
+        """Log the report and warn (a :class:`CacheLeakWarning`); with ``strict``, raise a
+        :class:`CacheLeakError` instead where holds stay."""
+        message = f"{who}: " + self.report(where)
+        logger.warning("%s", message)
+        if strict and self.left:
+            raise CacheLeakError(message, self.left, self.cached_bytes)
+        warn(message, CacheLeakWarning, every_time=True)
+
 
 class _Spans(threading.local):
     def __init__(self) -> None:  # once in each thread, at its first use
@@ -101,15 +104,11 @@ class LeakGuard(contextlib.ContextDecorator):
         ending = self._spans.open.pop().end()
         if ending.clean:
             return
-        message = "bnb_gc_fix.guard: " + ending.report("the step")
-        logger.warning("%s", message)
-        if kind is not None:  # the step's own exception goes on: the report never takes its place
-            with contextlib.suppress(Exception):
-                warn(message, CacheLeakWarning, every_time=True)
+        if kind is None:
+            ending.tell("bnb_gc_fix.guard", "the step", self.strict)
             return
-        if self.strict and ending.left:
-            raise CacheLeakError(message, ending.left, ending.cached_bytes)
-        warn(message, CacheLeakWarning, every_time=True)
+        with contextlib.suppress(Exception):  # the step's own exception goes on: the report never replaces it
+            ending.tell("bnb_gc_fix.guard", "the step", strict=False)
 
 
 def guard(strict: bool = False) -> LeakGuard:

@@ -12,7 +12,7 @@ from typing import Any
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
-from bnb_gc_fix import activation, cache
+from bnb_gc_fix import activation, cache, releases
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
 UNPROTECTED = "unprotected"  # code that leaks this way is in use here, and the fix is not in it
@@ -40,6 +40,7 @@ class Status:
     libraries: tuple[LibraryStatus, ...]  # bitsandbytes first
     turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
     switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
+    start_up_hook: bool  # whether the start-up hook ran in this process (then every process here runs it)
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     held_by_the_fix: int  # how many of the counter's holds the fix's hooks keep
@@ -82,8 +83,16 @@ class Status:
     def _fix_text(self) -> str:
         switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
         if self.turned_on_by is None:
-            return f"off ({switch})"
-        return f"on, turned on by {self.turned_on_by} ({switch})"
+            text = f"off ({switch})"
+        else:
+            text = f"on, turned on by {self.turned_on_by} ({switch})"
+        if self.start_up_hook:
+            return text + "; the start-up hook ran in this process"
+        return text + (
+            "; the start-up hook did not run in this process (installed outside site-packages, or "
+            "python -S): a process here that never imports bnb_gc_fix gets no fix (docs/reference.md: "
+            "where the start-up hook cannot run)"
+        )
 
     def _cache_text(self) -> str:
         if self.counter is None:
@@ -116,17 +125,17 @@ def _library_text(library: LibraryStatus) -> str:
 
 
 def _held_by_the_fix() -> int:
-    gate = sys.modules.get("bnb_gc_fix.gate")  # not imported: the fix's hooks never ran
+    gate = cache.gate()
     return 0 if gate is None else int(gate.held_by_every_thread())
 
 
 def _covered(library: Library) -> int:
     """The modules that hold the library's hook functions and that the fix took over."""
-    gate = sys.modules.get("bnb_gc_fix.gate")
+    gate = cache.gate()
     enable = getattr(sys.modules.get(library.module), "_enable_parametrization_cache", None)
     if gate is None or enable is None:
         return 0
-    return sum(any(hook is enable for hook in m._forward_pre_hooks.values()) for m in gate.covered())
+    return int(gate.covering(enable))
 
 
 def _applied(library: Library) -> bool:
@@ -151,10 +160,15 @@ def _where_the_fix_is(library: Library, named: str) -> tuple[str, str]:
         )
     if covered:
         return PROTECTED, f"{covered} modules quantized with {library.quantizer} hold the fix's hooks{late}"
+    linear = ""
+    if library is BITSANDBYTES:
+        linear = (
+            " (a model quantized by BitsAndBytesConfig alone holds Linear4bit layers, which never use "
+            "torch's parametrization cache)"
+        )
     return NOT_AFFECTED, (
-        f"the fix is in {named}, but no module has been quantized with {library.quantizer} "
-        "here so far (a model quantized by BitsAndBytesConfig alone holds Linear4bit layers, which never "
-        f"use torch's parametrization cache){late}"
+        f"the fix is in {named}, but no module has been quantized with {library.quantizer} here so far"
+        f"{linear}{late}"
     )
 
 
@@ -172,9 +186,9 @@ def _library_state(library: Library, version: str | None, affected: bool | None)
 
 
 def _not_leaking(library: Library, named: str, version: str) -> str:
-    releases = f"releases from {library.first_affected} to before {library.first_fixed} do"
-    said = f"{named} does not leak this way ({releases})"
-    if not activation.fixed_upstream(library, version):
+    leaking = f"releases from {library.first_affected} to before {library.first_fixed} do"
+    said = f"{named} does not leak this way ({leaking})"
+    if not releases.fixed_upstream(library, version):
         return said
     return (
         f"{said}; what a Ctrl-C inside a forward leaves is only pointed out here (by the safety nets); "
@@ -199,14 +213,14 @@ def _while_on(library: Library, named: str) -> tuple[str, str]:
             "own answered for it): import bnb_gc_fix before that hook is installed, or call "
             "bnb_gc_fix.activate()"
         )
-    if activation.affected(library, activation.version_of(library.name)) is False:
+    if releases.affected(library, releases.version_of(library.name)) is False:
         named += f" ({startup.VARIABLE}=force)"
     return _where_the_fix_is(library, named)
 
 
 def _library_status(library: Library) -> LibraryStatus:
-    version = activation.version_of(library.name)
-    affected = None if version is None else activation.affected(library, version)
+    version = releases.version_of(library.name)
+    affected = None if version is None else releases.affected(library, version)
     state, reason = _library_state(library, version, affected)
     covered = _covered(library)
     return LibraryStatus(library.name, version, affected, state, reason, covered)
@@ -217,11 +231,11 @@ def status() -> Status:
     counter = cache.counter() if cache.parametrize() is not None else None
     cache_bytes = cache.cached_bytes() if counter is not None else None
     libraries = tuple(_library_status(library) for library in LIBRARIES)
-    assert libraries[0].name == BITSANDBYTES.name
     return Status(
         libraries=libraries,
         turned_on_by=activation.process.turned_on_by,
         switch=activation.process.switch,
+        start_up_hook=startup.started,
         counter=counter,
         cache_bytes=cache_bytes,
         held_by_the_fix=_held_by_the_fix(),

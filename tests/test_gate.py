@@ -299,6 +299,46 @@ def test_activate_is_idempotent_deactivate_puts_bitsandbytes_back_and_repair() -
     assert facts["none"] == 0  # a model without quantized parameters: nothing to do
 
 
+# deactivate() and activate() from inside a forward of a module the fix took over: the forward took its
+# hold with bitsandbytes' own code, which the fix's off hook, put back under it, would never give back.
+OFF_AND_ON_MID_FORWARD = """
+import torch
+import bnb_gc_fix
+import quantized
+module = quantized.make()
+x = torch.randn(2, 64)
+module(x)  # taken over
+facts = {}
+bnb_gc_fix.deactivate()
+module(x)  # the library's own code takes and gives back the hold
+bnb_gc_fix.activate()
+facts["after a forward while off"] = quantized.counter()
+bnb_gc_fix.deactivate()
+
+def during(m, args):
+    facts["state inside"] = bnb_gc_fix.activate().state
+
+pre = module.register_forward_pre_hook(during)  # after the library's pre-hook: its hold is taken
+module(x)
+pre.remove()
+facts["counter after"] = quantized.counter()
+facts["state after"] = bnb_gc_fix.status().state
+facts["state on again"] = bnb_gc_fix.activate().state
+facts["steps"] = quantized.checkpointed_counters(module, steps=2)
+print(json.dumps(facts))
+"""
+
+
+def test_activate_under_a_forward_that_took_its_hold_while_off_waits_until_nothing_runs() -> None:
+    facts = run_code(OFF_AND_ON_MID_FORWARD, prelude="scenarios", switch=FIX).last_json
+    assert facts["after a forward while off"] == 0  # bitsandbytes' own pair, always called, gave it back
+    assert facts["state inside"] == "unprotected"  # refused: the hold in flight is not the fix's
+    assert facts["counter after"] == 0  # the library's own off hook gave it back
+    assert facts["state after"] == "unprotected"
+    assert facts["state on again"] == "protected"  # nothing runs: on
+    assert facts["steps"] == [0, 0]
+
+
 # A model quantized while the fix was off, then trained with it on (or, the control, still off).
 LATE = """
 import torch

@@ -97,7 +97,7 @@ def test_status_with_the_switch_off_gives_one_answer() -> None:
         assert "BNB_GC_FIX='0' switched it off" in facts["reason"]
     lines = text.splitlines()
     assert f"state: {state}: {facts['reason']}" in lines
-    assert "fix:   off (BNB_GC_FIX='0')" in lines
+    assert "fix:   off (BNB_GC_FIX='0'); the start-up hook ran in this process" in lines
 
 
 # --- status is live truth ------------------------------------------------------------------------

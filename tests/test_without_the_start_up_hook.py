@@ -92,3 +92,21 @@ def test_the_package_there_is_the_installed_one(elsewhere: tuple[Path, Path], tm
         ["-c", code], env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path
     )
     assert json.loads(out.stdout) == str(target / "bnb_gc_fix" / "__init__.py")
+
+
+def test_status_says_where_the_start_up_hook_did_not_run(
+    elsewhere: tuple[Path, Path], tmp_path: Path
+) -> None:
+    python, target = elsewhere
+    command = ["-m", "bnb_gc_fix", "status", "--json"]
+    there = run_python(command, env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path)
+    here = run_python(command, env=environment(), cwd=tmp_path)  # the control: this environment runs it
+    assert json.loads(there.stdout)["start_up_hook"] is False
+    assert json.loads(here.stdout)["start_up_hook"] is True
+    text = run_python(
+        ["-m", "bnb_gc_fix", "status"],
+        env=environment(PYTHONPATH=str(target)),
+        executable=str(python),
+        cwd=tmp_path,
+    ).stdout
+    assert "the start-up hook did not run in this process" in text

@@ -12,7 +12,6 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
 from bnb_gc_fix.nets import Span
 
 
@@ -35,11 +34,6 @@ class LeakGuardCallback(TrainerCallback):
             return control
         ending = span.end()
         self.given_back += ending.given_back
-        if ending.clean:
-            return control
-        message = "bnb_gc_fix: " + ending.report(f"step {getattr(state, 'global_step', '?')}")
-        logger.warning("%s", message)
-        if self.strict and ending.left:
-            raise CacheLeakError(message, ending.left, ending.cached_bytes)
-        warn(message, CacheLeakWarning, every_time=True)
+        if not ending.clean:
+            ending.tell("bnb_gc_fix", f"step {getattr(state, 'global_step', '?')}", self.strict)
         return control
