@@ -1,10 +1,13 @@
-"""The benchmarks' shared harness (benchmarks/README.md, "How to read a ratio"). The scripts import it by
-path: ``python benchmarks/<script>.py`` puts this folder first on ``sys.path``.
+"""The benchmarks' one harness (benchmarks/README.md, "How to read a ratio"): alternating rounds and what
+their ratios read as, worker processes, the three configurations of the memory benchmarks (bitsandbytes
+0.50's pairs among them), a training step and what it leaves, machine facts and the result files. The
+scripts import it by path: ``python benchmarks/<script>.py`` puts this folder first on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -15,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,12 +73,11 @@ class Spread:
         return self.q1 <= value <= self.q3
 
     def record(self) -> dict[str, float]:
-        """The JSON form: median, min, max (the keys the results always had), then q1, q3."""
-        return {"median": self.median, "min": self.min, "max": self.max, "q1": self.q1, "q3": self.q3}
+        return {"median": self.median, "q1": self.q1, "q3": self.q3, "min": self.min, "max": self.max}
 
-    def text(self) -> str:
+    def text(self, unit: str = "x", digits: int = 3) -> str:
         """``1.112x (1.105-1.118)``: the median and the interquartile range."""
-        return f"{self.median:.3f}x ({self.q1:.3f}-{self.q3:.3f})"
+        return f"{self.median:.{digits}f}{unit} ({self.q1:.{digits}f} to {self.q3:.{digits}f}{unit})"
 
 
 def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
@@ -84,44 +87,17 @@ def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
 
 def verdict(ratio: Spread, floor: Spread | None) -> str:
     """What a ratio reads as: its median, or "no measurable difference" where it is not told apart from
-    the noise floor (or, with no floor, from 1)."""
+    the noise floor (its median inside the floor's interquartile range; with no floor, 1 inside its own)."""
     within_noise = floor.contains(ratio.median) if floor is not None else ratio.contains(1.0)
     return NO_DIFFERENCE if within_noise else f"{ratio.median:.3f}x"
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """One side against the baseline: the per-round ratio, the noise floor beside it, the goal."""
-
-    ratio: Spread
-    floor: Spread | None
-    goal: float | None = None
-
-    @property
-    def verdict(self) -> str:
-        return verdict(self.ratio, self.floor)
-
-    @property
-    def met(self) -> bool | None:
-        """Whether the median meets the goal (a ratio at most ``goal``); None with no goal."""
-        return None if self.goal is None else self.ratio.median <= self.goal
-
-    def record(self) -> dict[str, Any]:
-        return {
-            "ratio": self.ratio.record(),
-            "noise_floor": None if self.floor is None else self.floor.record(),
-            "result": self.verdict,
-            "goal": None if self.goal is None else f"<= {self.goal:.2f}",
-            "met": self.met,
-        }
-
-
-def compare(
-    side: list[float], baseline: list[float], floor: list[float] | None, goal: float | None = None
-) -> Comparison:
-    """``side`` and ``floor`` (a second baseline) against ``baseline``, round by round."""
-    floor_spread = None if floor is None else Spread.of(ratios(floor, baseline))
-    return Comparison(ratio=Spread.of(ratios(side, baseline)), floor=floor_spread, goal=goal)
+def compare(side: list[float], baseline: list[float], floor: list[float]) -> dict[str, Any]:
+    """``side`` and ``floor`` (a second, identical baseline) against ``baseline``, round by round: both
+    ratios' spreads and what the side's reads as."""
+    ratio = Spread.of(ratios(side, baseline))
+    noise = Spread.of(ratios(floor, baseline))
+    return {"ratio": ratio.record(), "noise_floor": noise.record(), "result": verdict(ratio, noise)}
 
 
 # --------------------------------------------------------------------------- alternating rounds
@@ -142,24 +118,21 @@ def alternate(sides: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[
     return found
 
 
-def loop(call: Callable[[], Any], clock: Callable[[], int] = time.perf_counter_ns) -> Timed:
-    """A timed block of ``n`` calls of ``call`` (wall time by default; ``time.process_time_ns`` for CPU)."""
+def loop(call: Callable[[], Any]) -> Timed:
+    """A timed block of ``n`` calls of ``call`` (wall time)."""
 
     def timed(n: int) -> int:
-        started = clock()
+        started = time.perf_counter_ns()
         for _ in range(n):
             call()
-        return clock() - started
+        return time.perf_counter_ns() - started
 
     return timed
 
 
 def blocks(configs: dict[str, Timed], calls: int, rounds: int, baseline: str) -> dict[str, Any]:
     """Time a block of ``calls`` calls of every configuration per round, alternating, garbage collector off.
-
-    The record: calls_per_block, rounds, baseline, the median and min ns per call of every configuration,
-    every round's ns per call, and every other configuration's ratio to the baseline (``Spread.record``).
-    """
+    The record: the block size and rounds, every round's ns per call, and the median ns per call."""
     for timed in configs.values():  # warm up
         timed(max(calls // 10, 1))
     gc_was_enabled = gc.isenabled()
@@ -169,19 +142,12 @@ def blocks(configs: dict[str, Timed], calls: int, rounds: int, baseline: str) ->
     finally:
         if gc_was_enabled:
             gc.enable()
-    ratio_spreads = {
-        name: Spread.of(ratios(values, elapsed[baseline]))
-        for name, values in elapsed.items()
-        if name != baseline
-    }
     return {
         "calls_per_block": calls,
         "rounds": rounds,
         "baseline": baseline,
         "median_ns_per_call": {name: median(values) for name, values in elapsed.items()},
-        "min_ns_per_call": {name: min(values) for name, values in elapsed.items()},
         "ns_per_call_by_round": elapsed,
-        "ratio_to_baseline": {name: spread.record() for name, spread in ratio_spreads.items()},
     }
 
 
@@ -203,14 +169,6 @@ def emit(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def message_of(line: str) -> dict[str, Any] | None:
-    """The message a worker's stdout line carries, or None for any other line."""
-    if not line.startswith(MARK):
-        return None
-    message: dict[str, Any] = json.loads(line[len(MARK) :])
-    return message
-
-
 def commands() -> Iterator[dict[str, Any]]:
     """A worker's side: the driver's commands (``Worker.send``), one JSON line each on stdin."""
     for line in sys.stdin:
@@ -225,7 +183,7 @@ def worker_command(script: Path, options: dict[str, Any]) -> list[str]:
         if value is None or value is False:
             continue
         command.append("--" + name.replace("_", "-"))
-        if isinstance(value, list | tuple):
+        if isinstance(value, (list, tuple)):
             command += [str(item) for item in value]
         elif value is not True:
             command.append(str(value))
@@ -247,9 +205,8 @@ class Worker:
     def _read(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
-            message = message_of(line)
-            if message is not None:
-                self.inbox.put(message)
+            if line.startswith(MARK):
+                self.inbox.put(json.loads(line[len(MARK) :]))
         self.inbox.put(None)  # its stdout closed
 
     def send(self, command: dict[str, Any]) -> None:
@@ -284,36 +241,218 @@ class Worker:
                 self.process.kill()
 
 
+# --------------------------------------------------------------------------- the configurations
+
+#: The memory benchmarks' configurations, in the order they are reported.
+UNFIXED = "unfixed"
+PACKAGE = "bnb-gc-fix"
+UPSTREAM = "upstream-0.50"
+CONFIGS = (UNFIXED, PACKAGE, UPSTREAM)
+DESCRIPTIONS = {
+    UNFIXED: "bitsandbytes as installed, BNB_GC_FIX=0",
+    PACKAGE: "bitsandbytes as installed + import bnb_gc_fix",
+    UPSTREAM: "bitsandbytes as installed, BNB_GC_FIX=0, upstream 0.50's hooks patched in by the benchmark",
+}
+
+
+def config_env(config: str) -> dict[str, str]:
+    """The environment of a fresh worker running ``config``: the two without the package switch its
+    start-up hook off (it would turn the fix on in every process of a venv it is installed in)."""
+    env = dict(os.environ)
+    env.pop("BNB_GC_FIX", None)
+    if config != PACKAGE:
+        env["BNB_GC_FIX"] = "0"
+    env["PYTHONWARNINGS"] = "ignore::FutureWarning"  # bitsandbytes' CPU backend, at every quantization
+    return env
+
+
+#: bitsandbytes 0.50.2's disable hook, verbatim but for its comment and annotations.
+UPSTREAM_DISABLE = """
+def _disable_parametrization_cache(module, inputs, output):
+    P._cache_enabled = max(0, P._cache_enabled - 1)
+    if not P._cache_enabled:
+        P._cache = {}
+"""
+
+
+def copy_of(function: Any) -> types.FunctionType:
+    """A new function object with ``function``'s own code, globals, defaults and closure, so that the
+    fix, which swaps the code of bitsandbytes' functions, never reaches it; taken before the fix is in."""
+    code = function.__code__
+    if code.co_filename != function.__globals__.get("__file__"):
+        raise RuntimeError(f"{function.__qualname__} runs code from {code.co_filename}: copy it earlier")
+    return types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
+
+
+def register_with(enable: Any, disable: Any, always_call: bool) -> Callable[..., None]:
+    """A ``_register_parametrization_hooks`` registering ``enable`` and ``disable`` (``always_call`` as
+    0.50 does, or plain as 0.48-0.49 do) beside the installed bitsandbytes' state dict hook."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    state_dict_hook = bnb_parametrize._parametrized_state_dict_post_hook
+
+    def _register_parametrization_hooks(module: Any, param_name: str) -> None:
+        module.register_state_dict_post_hook(functools.partial(state_dict_hook, param_name=param_name))
+        module.register_forward_pre_hook(enable)
+        module.register_forward_hook(disable, always_call=always_call)
+
+    return _register_parametrization_hooks
+
+
+@functools.cache
+def upstream_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
+    """Upstream 0.50's ``(_register_parametrization_hooks, _disable_parametrization_cache)`` on the installed
+    bitsandbytes: its disable hook (``UPSTREAM_DISABLE``, compiled in the installed module's namespace, so it
+    reads ``P`` as 0.50's does), registered always-called after a copy of the installed enable hook (the
+    same code in 0.48-0.50). Made once: every module gets the same two functions, as in 0.50."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    defined: dict[str, Any] = {}
+    exec(UPSTREAM_DISABLE, vars(bnb_parametrize), defined)
+    disable: Callable[..., None] = defined["_disable_parametrization_cache"]
+    enable = copy_of(bnb_parametrize._enable_parametrization_cache)
+    return register_with(enable, disable, always_call=True), disable
+
+
+def start(config: str, threads: int | None) -> None:
+    """A worker's first act: the configuration's fix (the package's import, or upstream's hooks)."""
+    if config == PACKAGE:
+        import bnb_gc_fix  # noqa: F401  (the import turns the fix on)
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    if config == UPSTREAM:
+        import bitsandbytes.nn.parametrize as bnb_parametrize
+
+        register, disable = upstream_hooks()
+        bnb_parametrize._disable_parametrization_cache = disable
+        bnb_parametrize._register_parametrization_hooks = register
+
+
+def fix_state(config: str) -> dict[str, Any]:
+    """Evidence that a worker runs the configuration it claims to (SystemExit where it does not): with the
+    package, its status protected; without, the package never imported."""
+    imported = "bnb_gc_fix" in sys.modules
+    state: dict[str, Any] = {"bnb_gc_fix_imported": imported}
+    if imported:
+        status = sys.modules["bnb_gc_fix"].status()
+        state.update(state=status.state, reason=status.reason, covered=status.covered)
+    if config == PACKAGE and state.get("state") != "protected":
+        raise SystemExit(f"bnb-gc-fix does not protect the {config} worker: {state}")
+    if config != PACKAGE and imported:
+        raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
+    return state
+
+
+# --------------------------------------------------------------------------- training
+
+
+def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[Any, Any, list[Any]]:
+    """The report's loop around ``model``: (AdamW over its trainable parameters, fixed random input ids,
+    those parameters)."""
+    import torch
+
+    model.config.use_cache = False
+    model.train()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+    return optimizer, ids, trainable
+
+
+def train_step(model: Any, ids: Any, optimizer: Any, step: int, cuda: bool) -> dict[str, Any]:
+    """One training step, timed, and what it left behind: torch's cache, resident memory (and CUDA's)."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    counter, entries, cached = cache_state()
+    status = proc_status()
+    record: dict[str, Any] = {
+        "step": step,
+        "step_s": elapsed,
+        "loss": float(loss.item()),
+        "counter": counter,
+        "cache_entries": entries,
+        "cache_bytes": cached,
+        "rss_bytes": status.get("VmRSS"),
+        "peak_rss_bytes": status.get("VmHWM"),
+    }
+    if cuda:
+        record["allocated_bytes"] = torch.cuda.memory_allocated()
+        record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    return record
+
+
+def cache_state() -> tuple[int, int, int]:
+    """torch's parametrization cache right now: (counter, entries, bytes held by its tensors)."""
+    import torch
+    import torch.nn.utils.parametrize as P
+
+    held = 0
+    for tensor in list(P._cache.values()):
+        if isinstance(tensor, torch.Tensor):
+            held += tensor.numel() * tensor.element_size()
+    return int(P._cache_enabled), len(P._cache), held
+
+
+def proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+    """The fields ``keys`` (kB, given in bytes) of a /proc file; empty where there is no /proc."""
+    found: dict[str, int] = {}
+    try:
+        with open(path) as fields:
+            for line in fields:
+                key, _, value = line.partition(":")
+                if key in keys:
+                    found[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return found
+
+
+def proc_status(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (bytes) of a process."""
+    return proc_fields(f"/proc/{pid}/status", ("VmRSS", "VmHWM"))
+
+
 # --------------------------------------------------------------------------- machine facts
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on (every result JSON's ``machine``)."""
+    """What the figures were measured on (every result JSON's ``machine``), and the load as it started."""
     info: dict[str, Any] = {
         "python": platform.python_version(),
-        "implementation": platform.python_implementation(),
         "platform": platform.platform(),
-        "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "processor": _cpu_model(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
     try:
         import torch
 
         info["torch"] = torch.__version__
-        info["cuda"] = torch.cuda.is_available()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
-            info["cuda_version"] = torch.version.cuda
     except ImportError:
         pass
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        info["bitsandbytes"] = version("bitsandbytes")
-        info["transformers"] = version("transformers")
-    except Exception:
-        pass
+    for name in ("bitsandbytes", "transformers"):
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            pass
     return info
 
 
@@ -339,20 +478,16 @@ def output_path(name: str, quick: bool, chosen: Path | None = None) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
-
-
-def write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    print(f"wrote {_shown(path)}", file=sys.stderr)
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_results(output: Path, result: dict[str, Any], text: str) -> None:
     """A benchmark's result: JSON at ``output``, its Markdown beside it (``.md``), the Markdown printed."""
     write_json(output, result)
-    write_text(output.with_suffix(".md"), text)
+    output.with_suffix(".md").write_text(text)
     print(text)
+    print(f"wrote {output} and its .md", file=sys.stderr)
 
 
 def table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
@@ -363,13 +498,6 @@ def table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)
 
 def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
-
-
-def _shown(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
 
 
 def mib(value: float | None) -> str:

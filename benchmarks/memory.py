@@ -1,8 +1,9 @@
 """Memory benchmark: a tiny 4-bit OLMoE trained with gradient checkpointing, unfixed vs this package vs
-upstream 0.50's fix, three workers driven in lockstep (benchmarks/README.md, "Memory").
+upstream 0.50's fix, and a second upstream worker as the step time's noise floor, all driven in lockstep
+(benchmarks/README.md, "Memory").
 
     python benchmarks/memory.py                 # CPU, 50 steps, results/memory-cpu.json + .md
-    python benchmarks/memory.py --quick         # a smaller model and 10 steps (smoke run)
+    python benchmarks/memory.py --quick         # a smaller model and 10 steps (smoke run, results/tmp/)
     python benchmarks/memory.py --device cuda   # see gpu.py, which wraps this for CUDA
 """
 
@@ -14,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as common
 import _harness as harness
 
 #: The model and the protocol, each an option of the same name; the worker gets the model's.
@@ -22,19 +22,33 @@ SIZES = {"layers": 6, "experts": 16, "hidden": 256, "batch": 2, "seq": 16, "thre
 PROTOCOL = {"steps": 50, "segment": 5, "extra_rounds": 10}
 QUICK = {"layers": 2, "experts": 8, "hidden": 128, "steps": 10, "segment": 2, "extra_rounds": 2}
 WORKER_OPTIONS = ("device", "dtype", *SIZES)
+#: The workers, each running a configuration; the floor's steps are timed only, never reported.
+FLOOR = "upstream-0.50, a second worker (noise floor)"
+WORKERS = {**{config: config for config in harness.CONFIGS}, FLOOR: harness.UPSTREAM}
+FIXED = (harness.PACKAGE, harness.UPSTREAM, FLOOR)  # the workers of the timing-only rounds
+
+
+def build_olmoe(layers: int, experts: int, hidden: int, device: str, dtype: str) -> Any:
+    """The tests' tiny OLMoE (``tests/scenarios/tiny_olmoe.py``): fused experts quantized to 4 bits,
+    only the router gates trainable, built on ``device`` before quantizing."""
+    sys.path.insert(0, str(harness.ROOT / "tests" / "scenarios"))
+    from tiny_olmoe import build
+
+    model, _ = build(layers=layers, experts=experts, hidden=hidden, device=device, dtype=dtype)
+    return model
 
 
 def worker(args: argparse.Namespace) -> None:
     """Build the model, say it is ready, then run the driver's segments of steps."""
     config = args.worker
-    common.start(config, args.threads)
+    harness.start(config, args.threads)
     import torch
 
     cuda = harness.is_cuda(args.device)
     started = time.perf_counter()
-    model = common.build_olmoe(args.layers, args.experts, args.hidden, device=args.device, dtype=args.dtype)
+    model = build_olmoe(args.layers, args.experts, args.hidden, device=args.device, dtype=args.dtype)
     model.gradient_checkpointing_enable()
-    optimizer, ids, trainable = common.trainer(model, 1e-3, args.batch, args.seq, args.device)
+    optimizer, ids, trainable = harness.trainer(model, 1e-3, args.batch, args.seq, args.device)
     experts = model.model.layers[0].mlp.experts
     if cuda:
         torch.cuda.synchronize()
@@ -42,14 +56,14 @@ def worker(args: argparse.Namespace) -> None:
         {
             "ready": config,
             "build_s": time.perf_counter() - started,
-            "fix": common.fix_state(config),
+            "fix": harness.fix_state(config),
             "hooks_on_one_experts_module": {
                 "pre": len(experts._forward_pre_hooks),
                 "post": len(experts._forward_hooks),
             },
             "quantized_parameters": 2 * len(model.model.layers),
             "trainable_parameters": sum(parameter.numel() for parameter in trainable),
-            "rss_after_build": common.proc_status().get("VmRSS"),
+            "rss_after_build": harness.proc_status().get("VmRSS"),
             "allocated_after_build": torch.cuda.memory_allocated() if cuda else None,
         }
     )
@@ -59,15 +73,16 @@ def worker(args: argparse.Namespace) -> None:
             break
         segment_started = time.perf_counter()
         for _ in range(command["steps"]):
-            harness.emit({"record": common.train_step(model, ids, optimizer, step, cuda)})
+            harness.emit({"record": harness.train_step(model, ids, optimizer, step, cuda)})
             step += 1
         harness.emit({"segment_s": time.perf_counter() - segment_started})
 
 
-def start_worker(config: str, args: argparse.Namespace) -> harness.Worker:
-    options = {"worker": config, **{name: getattr(args, name) for name in WORKER_OPTIONS}}
+def start_worker(name: str, args: argparse.Namespace) -> harness.Worker:
+    config = WORKERS[name]
+    options = {"worker": config, **{option: getattr(args, option) for option in WORKER_OPTIONS}}
     command = harness.worker_command(Path(__file__).resolve(), options)
-    return harness.Worker(config, command, common.config_env(config))
+    return harness.Worker(name, command, harness.config_env(config))
 
 
 def run_segment(worker_: harness.Worker, steps: int, records: list[dict[str, Any]]) -> float:
@@ -90,9 +105,9 @@ def timed_round(
 
 
 def drive(args: argparse.Namespace) -> dict[str, Any]:
-    workers = {config: start_worker(config, args) for config in common.CONFIGS}
+    workers = {name: start_worker(name, args) for name in WORKERS}
     ready: dict[str, dict[str, Any]] = {}
-    records: dict[str, list[dict[str, Any]]] = {config: [] for config in common.CONFIGS}
+    records: dict[str, list[dict[str, Any]]] = {name: [] for name in WORKERS}
     rounds: list[dict[str, Any]] = []
     try:
         for config, worker_ in workers.items():
@@ -104,9 +119,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             rounds.append(timed_round(workers, records, len(rounds), steps))
             done += steps
             _progress(done, records)
-        # Timing-only rounds of the two fixed configurations, still alternating: their steps are not
-        # part of the memory figures (those are the first --steps steps of every worker).
-        fixed = {config: workers[config] for config in (common.PACKAGE, common.UPSTREAM)}
+        # Timing-only rounds of the fixed workers, still alternating: their steps are not part of the
+        # memory figures (those are the first --steps steps of every worker).
+        fixed = {name: workers[name] for name in FIXED}
         for _ in range(args.extra_rounds):
             rounds.append(timed_round(fixed, records, len(rounds), args.segment))
         print(f"{args.extra_rounds} timing-only rounds done", file=sys.stderr)
@@ -118,8 +133,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 def _progress(done: int, records: dict[str, list[dict[str, Any]]]) -> None:
     states = [
-        f"{config}: counter {found[-1]['counter']:4d} cache {harness.mib(found[-1]['cache_bytes'])}"
-        for config, found in records.items()
+        f"{config}: counter {records[config][-1]['counter']:4d} "
+        f"cache {harness.mib(records[config][-1]['cache_bytes'])}"
+        for config in harness.CONFIGS
     ]
     print(f"step {done:3d}  " + "  ".join(states), file=sys.stderr)
 
@@ -149,11 +165,11 @@ def summarise(
     records: dict[str, list[dict[str, Any]]],
     rounds: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    memory_steps = {config: found[: args.steps] for config, found in records.items()}
+    memory_steps = {config: records[config][: args.steps] for config in harness.CONFIGS}
     configs = {
         config: {
-            "description": common.DESCRIPTIONS[config],
-            "env_BNB_GC_FIX": common.config_env(config).get("BNB_GC_FIX"),
+            "description": harness.DESCRIPTIONS[config],
+            "env_BNB_GC_FIX": harness.config_env(config).get("BNB_GC_FIX"),
             **ready[config],
             "final": final_state(steps),
             "steps": steps,
@@ -162,10 +178,10 @@ def summarise(
     }
     # The first round holds each worker's first step (lazy initialisation): left out.
     timed = rounds[1:] if len(rounds) > 1 else rounds
-    per_round = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UPSTREAM] for r in timed]
-    ratio = harness.Spread.of(per_round)
-    with_unfixed = [r for r in timed if common.UNFIXED in r["order"]]
-    unfixed_ratios = [r["segment_s"][common.PACKAGE] / r["segment_s"][common.UNFIXED] for r in with_unfixed]
+    segments = {name: [r["segment_s"][name] for r in timed] for name in FIXED}
+    comparison = harness.compare(segments[harness.PACKAGE], segments[harness.UPSTREAM], segments[FLOOR])
+    with_unfixed = [r for r in timed if harness.UNFIXED in r["order"]]
+    over_unfixed = [r["segment_s"][harness.PACKAGE] / r["segment_s"][harness.UNFIXED] for r in with_unfixed]
     losses = [[record["loss"] for record in steps] for steps in memory_steps.values()]
     return {
         "benchmark": "memory",
@@ -183,16 +199,17 @@ def summarise(
         "configs": configs,
         "timing": {
             "method": (
-                "workers run segments of steps one at a time, order alternating every round; "
-                "ratio = median over rounds of segment time bnb-gc-fix / upstream-0.50; the first round "
-                "(first steps, lazy initialisation) is left out; extra timing-only rounds alternate the "
-                "two fixed configurations after the memory steps"
+                "workers run segments of steps one at a time, order alternating every round; ratio = "
+                "median over rounds of segment time / upstream-0.50's in the same round, with the "
+                "interquartile range; noise floor: a second upstream-0.50 worker in the same rounds; the "
+                "first round (first steps, lazy initialisation) is left out; extra timing-only rounds "
+                "alternate the fixed workers after the memory steps"
             ),
             "extra_rounds": args.extra_rounds,
             "rounds": rounds,
-            "ratio_package_over_upstream": {**ratio.record(), "per_round": per_round},
-            "result": harness.verdict(ratio, floor=None),
-            "ratio_package_over_unfixed": {"median": harness.median(unfixed_ratios)},
+            "package_over_upstream": comparison,
+            "package_over_unfixed": harness.Spread.of(over_unfixed).record(),
+            "rounds_with_unfixed": len(over_unfixed),
         },
         "losses_identical": all(found == losses[0] for found in losses),
         "notes": notes(args.device),
@@ -236,18 +253,22 @@ def markdown(result: dict[str, Any]) -> str:
     header.append("median step")
     if cuda:
         header += ["allocated after last step", "peak allocated"]
-    rows = [_row(config, result["configs"][config]["final"], cuda) for config in common.CONFIGS]
-    per_round = result["timing"]["ratio_package_over_upstream"]["per_round"]
-    ratio = harness.Spread.of(per_round)
+    rows = [_row(config, result["configs"][config]["final"], cuda) for config in harness.CONFIGS]
+    timing = result["timing"]
+    comparison = timing["package_over_upstream"]
+    ratio = harness.Spread(**comparison["ratio"])
+    floor = harness.Spread(**comparison["noise_floor"])
+    over_unfixed = harness.Spread(**timing["package_over_unfixed"])
     lines = [
         f"Tiny OLMoE, {shape}, {settings['dtype']}, batch {settings['batch']}x{settings['seq']}, "
         f"gradient checkpointing, {settings['steps']} steps on {result['device']}.",
         "",
         *harness.table(header, rows),
         "",
-        f"Step time bnb-gc-fix / upstream-0.50: **{result['timing']['result']}** (median {ratio.text()} "
-        f"over {len(per_round)} alternating rounds of {settings['segment_steps']} steps, "
-        f"range {ratio.min:.3f}-{ratio.max:.3f}).",
+        f"Step time bnb-gc-fix / upstream-0.50: **{comparison['result']}** ({ratio.text()}; noise floor, "
+        f"a second upstream-0.50 worker: {floor.text()}; {len(timing['rounds']) - 1} alternating rounds of "
+        f"{settings['segment_steps']} steps, the first left out). bnb-gc-fix / unfixed: "
+        f"{over_unfixed.text()} over the {timing['rounds_with_unfixed']} rounds with the unfixed worker.",
         f"Losses identical in all three configurations: {result['losses_identical']}.",
         "",
         *(f"- {note}" for note in result["notes"]),
@@ -263,7 +284,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--quick", action="store_true", help="2 layers, 8 experts, hidden 128, 10 steps")
     parser.add_argument("--output", type=Path, help="result JSON (default results/memory-<device>.json)")
-    parser.add_argument("--worker", choices=common.CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=harness.CONFIGS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         vars(args).update(QUICK)

@@ -1,7 +1,7 @@
 """Memory at the bug report's real size: OLMoE-1B-7B's shapes, random weights, 1 to 16 layers, four
 columns (unfixed, this package, upstream's fix, the report's workaround), each a fresh worker, watched.
 The model, its layer-by-layer build, the chunked quantization and the cache: benchmarks/README.md,
-"Full size" (and its commands); ``--device cuda`` runs it on a GPU (``gpu.py --full``), without the cache.
+"Full size" (and its commands); ``--device cuda`` runs it on a GPU, without the cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import _common as common
 import _harness as harness
 
 #: allenai/OLMoE-1B-7B-0924 (transformers' OlmoeConfig defaults are that model, but for the
@@ -62,9 +61,9 @@ SMOKE_CHUNK = 4096  # small enough that every smoke tensor is quantized in sever
 DEFAULT_CACHE = Path(os.environ.get("BNB_GC_FIX_BENCH_CACHE", Path.home() / ".cache" / "bnb-gc-fix-bench"))
 
 WORKAROUND = "workaround"
-COLUMNS = (common.UNFIXED, common.PACKAGE, common.UPSTREAM, WORKAROUND)
+COLUMNS = (harness.UNFIXED, harness.PACKAGE, harness.UPSTREAM, WORKAROUND)
 DESCRIPTIONS = {
-    **common.DESCRIPTIONS,
+    **harness.DESCRIPTIONS,
     WORKAROUND: (
         "bitsandbytes as installed, BNB_GC_FIX=0, HF checkpointing off, each experts module's forward "
         "wrapped in non-reentrant torch.utils.checkpoint (the report's workaround)"
@@ -79,11 +78,11 @@ RUN_TIMEOUT_S = 3600.0  # and when it runs longer than this
 
 def _config(column: str) -> str:
     """The configuration a column runs: the workaround is unfixed bitsandbytes."""
-    return common.UNFIXED if column == WORKAROUND else column
+    return harness.UNFIXED if column == WORKAROUND else column
 
 
 def _env(column: str) -> dict[str, str]:
-    return common.config_env(_config(column))
+    return harness.config_env(_config(column))
 
 
 # --------------------------------------------------------------------------- chunked quantization
@@ -445,7 +444,7 @@ def _cache_root(args: argparse.Namespace) -> Path | None:
 
 def worker(args: argparse.Namespace) -> None:
     column = args.worker
-    common.start(_config(column), threads=None)
+    harness.start(_config(column), threads=None)
     import torch
 
     cuda = harness.is_cuda(args.device)
@@ -456,16 +455,16 @@ def worker(args: argparse.Namespace) -> None:
         _workaround(model)
     else:
         model.gradient_checkpointing_enable()
-    optimizer, ids, trainable = common.trainer(model, 1e-4, 1, args.seq, args.device)
+    optimizer, ids, trainable = harness.trainer(model, 1e-4, 1, args.seq, args.device)
     if cuda:
         torch.cuda.synchronize()
-    build_status = common.proc_status()
+    build_status = harness.proc_status()
     harness.emit(
         {
             "ready": column,
             "build_s": time.perf_counter() - started,
             "layers_from_cache": sum(1 for info in layers_info if info["from_cache"]),
-            "fix": common.fix_state(column),
+            "fix": harness.fix_state(column),
             "trainable_parameters": sum(parameter.numel() for parameter in trainable),
             "expert_parameters_per_layer": expert_parameters_per_layer(model.config),
             "rss_after_build": build_status.get("VmRSS"),
@@ -476,7 +475,7 @@ def worker(args: argparse.Namespace) -> None:
         }
     )
     for step in range(args.steps):
-        harness.emit({"record": common.train_step(model, ids, optimizer, step, cuda)})
+        harness.emit({"record": harness.train_step(model, ids, optimizer, step, cuda)})
 
 
 # --------------------------------------------------------------------------- the driver
@@ -484,7 +483,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def _why_stop(rss: int | None, elapsed: float, args: argparse.Namespace) -> str | None:
     """Why a running worker must be stopped now, or None."""
-    available = common.proc_fields("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
+    available = harness.proc_fields("/proc/meminfo", ("MemAvailable",)).get("MemAvailable")
     if rss is not None and rss > args.rss_limit_gib * GIB:
         return f"resident memory {rss / GIB:.2f} GiB above the limit of {args.rss_limit_gib} GiB"
     if available is not None and available < MIN_AVAILABLE_GIB * GIB:
@@ -514,7 +513,7 @@ def run_column(column: str, layers: int, args: argparse.Namespace) -> dict[str, 
     samples: list[tuple[float, int]] = []
     while watched.process.poll() is None:
         messages += watched.received()
-        rss = common.proc_status(watched.process.pid).get("VmRSS")
+        rss = harness.proc_status(watched.process.pid).get("VmRSS")
         elapsed = time.perf_counter() - started
         if rss is not None:
             samples.append((round(elapsed, 2), rss))
@@ -547,7 +546,7 @@ def run_column(column: str, layers: int, args: argparse.Namespace) -> dict[str, 
 
 def expected_cache_bytes(column: str, layers: int, parameters_per_layer: int) -> int:
     """What the cache holds after every step: every expert stack that ran (bf16) unfixed, else 0."""
-    return layers * parameters_per_layer * 2 if column == common.UNFIXED else 0
+    return layers * parameters_per_layer * 2 if column == harness.UNFIXED else 0
 
 
 def _as_expected(records: list[dict[str, Any]], expected: int) -> bool:
@@ -589,13 +588,13 @@ def summarise_run(run: dict[str, Any]) -> dict[str, Any]:
 def anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The issue's anchor: one layer, two steps; unfixed counter 2 then 4 and 805,306,368 bytes."""
     one = {run["column"]: run for run in runs if run["layers"] == 1 and len(run["steps"]) >= 2}
-    if common.UNFIXED not in one:
+    if harness.UNFIXED not in one:
         return None
-    per_layer = one[common.UNFIXED]["expert_parameters_per_layer"]
+    per_layer = one[harness.UNFIXED]["expert_parameters_per_layer"]
     result: dict[str, Any] = {"expected_bytes": per_layer * 2}
     reproduced = True
     for column, run in one.items():
-        unfixed = column == common.UNFIXED
+        unfixed = column == harness.UNFIXED
         counters = [record["counter"] for record in run["steps"][:2]]
         held = [record["cache_bytes"] for record in run["steps"][:2]]
         result[f"{column}_counters"] = counters

@@ -1,14 +1,13 @@
 """Run every benchmark, one after the other, with one command; then redraw docs/memory.png.
 
-    python benchmarks/run_all.py            # everything, about 6 minutes on 2 CPU cores
+    python benchmarks/run_all.py            # memory, hotpath, startup, plot: about 10 minutes on 2 CPU cores
     python benchmarks/run_all.py --quick    # smoke run: small sizes, results in results/tmp/
     python benchmarks/run_all.py --gpu      # also the CUDA memory benchmark (needs a GPU)
-    python benchmarks/run_all.py --full     # also OLMoE-1B-7B's real shapes (olmoe_full.py: long)
+    python benchmarks/run_all.py --full     # also OLMoE-1B-7B's real shapes (olmoe_full.py: 33 minutes)
     python benchmarks/run_all.py --only hotpath startup
 
-Each benchmark runs in its own interpreter (``sys.executable``), so the start-up hook and the
-``BNB_GC_FIX`` switch behave as they do for users. Never run it alongside the tests if the
-timings matter: the machine is then shared.
+Each benchmark runs in its own interpreter, so the start-up hook and the ``BNB_GC_FIX`` switch behave as
+they do for users. Never run it beside other work if the timings matter.
 """
 
 from __future__ import annotations
@@ -19,37 +18,26 @@ import time
 
 import _harness as harness
 
-BENCHMARKS = ("memory", "hotpath", "nesting", "startup", "gpu", "plot", "olmoe-full", "plot-full")
-
-
+BENCHMARKS = ("memory", "hotpath", "startup", "gpu", "plot", "olmoe-full")
 TMP = harness.RESULTS / "tmp"
 
 
-def commands(quick: bool, gpu: bool, full: bool = False) -> dict[str, list[str]]:
+def commands(quick: bool, gpu: bool, full: bool) -> dict[str, list[str]]:
     """Every benchmark's command line (script, then options); quick ones write to results/tmp/."""
     quick_flag = ["--quick"] if quick else []
-    quick_startup = ["--pairs", "30", "--output", str(TMP / "startup.json")]
     quick_plot = ["--cpu", str(TMP / "memory-cpu-quick.json"), "--output", str(TMP / "memory.png")]
     found = {
         "memory": ["memory.py", *quick_flag],
         "hotpath": ["hotpath.py", *quick_flag],
-        "nesting": ["nesting.py", *quick_flag],
-        "startup": ["startup.py", *(quick_startup if quick else [])],
+        "startup": ["startup.py", *quick_flag],
         "gpu": ["gpu.py", "--no-plot", *quick_flag],
         "plot": ["plot.py", *(quick_plot if quick else [])],
+        "olmoe-full": ["olmoe_full.py", *(["--smoke", "--seq", "32", "--layers", "1", "2"] if quick else [])],
     }
-    if full:
-        quick_full = ["--smoke", "--seq", "32", "--layers", "1", "2"]
-        quick_plot_full = [
-            "--full",
-            str(TMP / "olmoe-full-cpu-smoke.json"),
-            "--output",
-            str(TMP / "memory-olmoe.png"),
-        ]
-        found["olmoe-full"] = ["olmoe_full.py", *(quick_full if quick else [])]
-        found["plot-full"] = ["plot.py", *(quick_plot_full if quick else ["--full"])]
     if not gpu:
         del found["gpu"]
+    if not full:
+        del found["olmoe-full"]
     return found
 
 
