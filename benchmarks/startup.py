@@ -1,9 +1,11 @@
-"""Start-up benchmark: what the ``bnb_gc_fix.pth`` hook adds to ``python -c pass``, in two venvs made alike
-but for the wheel, timed in alternating pairs (method and why two venvs: benchmarks/README.md, "Start-up").
+"""Start-up benchmark: what the start-up hook costs at interpreter start beside setuptools' own
+``_distutils_hack``, both read from the same ``python -X importtime -c pass`` runs, in venvs made from the
+wheel; the hook's .pth file as shipped (sorting after setuptools' ``distutils-precedence.pth``) and
+renamed to sort first, and an empty module imported from a .pth file in each place as the floor
+(benchmarks/README.md, "Start-up").
 
-    python benchmarks/startup.py              # 100 pairs; writes results/startup.json
-    python benchmarks/startup.py --pairs 30
-    python benchmarks/startup.py --variants   # also time candidate changes to the hook
+    python benchmarks/startup.py            # 100 rounds; results/startup.json, .md
+    python benchmarks/startup.py --quick    # 20 rounds (results/tmp/)
 """
 
 from __future__ import annotations
@@ -14,40 +16,31 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import _harness as harness
 
-PROBE = "import sys; print(any(getattr(f, 'bnb_gc_fix_watcher', False) for f in sys.meta_path))"
+HOOK = "_bnb_gc_fix"  # the module the shipped .pth file imports
+HACK = "_distutils_hack"  # the module setuptools' distutils-precedence.pth imports
+FLOOR = "_empty_start_up_module"  # an empty module, imported from a .pth file in the hook's place
+SHIPPED_PTH = "zz_bnb_gc_fix.pth"  # sorts after distutils-precedence.pth
+FIRST_PTH = "bnb_gc_fix.pth"  # sorts before it
+#: The venvs: (.pth file name, the module it imports), the hook's and the floor's in either place.
+VENVS = {
+    "hook, as shipped (after setuptools')": (SHIPPED_PTH, HOOK),
+    "hook, renamed to sort first": (FIRST_PTH, HOOK),
+    "empty module, after setuptools'": (SHIPPED_PTH, FLOOR),
+    "empty module, first": (FIRST_PTH, FLOOR),
+}
+SHIPPED, RENAMED, FLOOR_LAST, FLOOR_FIRST = VENVS
+PROBE = "import sys; print([type(f).__module__ for f in sys.meta_path].count('_bnb_gc_fix'))"
 
 
 def _run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, check=True, text=True, capture_output=True, **kwargs)
-
-
-def build_wheel(outdir: Path) -> Path:
-    try:
-        _run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(harness.ROOT)])
-    except (subprocess.CalledProcessError, FileNotFoundError) as error:
-        print(f"python -m build failed ({error}); trying pip wheel", file=sys.stderr)
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(outdir), str(harness.ROOT)])
-    wheels = sorted(outdir.glob("bnb_gc_fix-*.whl"))
-    if not wheels:
-        raise SystemExit(f"no wheel was built in {outdir}")
-    return wheels[-1]
-
-
-def make_venv(path: Path, wheel: Path | None) -> Path:
-    """A venv with wrapt and packaging at the running environment's versions, and ``wheel`` if given."""
-    _run([sys.executable, "-m", "venv", str(path)])
-    python = path / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    _run([*pip, f"wrapt=={version('wrapt')}", f"packaging=={version('packaging')}"])
-    if wheel is not None:
-        _run([*pip, "--no-deps", str(wheel)])
-    return python
 
 
 def clean_env() -> dict[str, str]:
@@ -55,157 +48,190 @@ def clean_env() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if not key.startswith(dropped)}
 
 
-def time_once(python: Path, env: dict[str, str]) -> tuple[float, float]:
-    """One ``python -c pass``: (wall ms, the child's CPU ms, user + system)."""
-    started = time.perf_counter_ns()
-    process = subprocess.Popen([str(python), "-c", "pass"], env=env)
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = (time.perf_counter_ns() - started) / 1e6
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode:
-        raise SystemExit(f"{python} -c pass failed with status {process.returncode}")
-    return wall, (usage.ru_utime + usage.ru_stime) * 1e3
+def build_wheel(folder: Path) -> Path:
+    _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(folder), str(harness.ROOT)])
+    [wheel] = sorted(folder.glob("bnb_gc_fix-*.whl"))
+    return wheel
 
 
-def _summary(rows: list[dict[str, Any]], kind: str) -> dict[str, Any]:
-    """Medians of the ``kind`` (wall or cpu) times with and without the package, and of the pairs' ratios."""
-    with_ms = [row[f"with_{kind}_ms"] for row in rows]
-    without_ms = [row[f"without_{kind}_ms"] for row in rows]
-    ratio = harness.Spread.of(harness.ratios(with_ms, without_ms))
+def site_packages(venv: Path) -> Path:
+    [found] = (venv / "lib").glob("python*/site-packages")
+    return found
+
+
+def shipped_venv(venv: Path, wheel: Path) -> None:
+    """A venv with the running environment's setuptools and the wheel (``--no-deps``: wrapt and packaging
+    are imported only once bitsandbytes is, never at start)."""
+    _run([sys.executable, "-m", "venv", str(venv)])
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps"]
+    _run([*pip, f"setuptools=={version('setuptools')}", str(wheel)])
+
+
+def variant(shipped: Path, venv: Path, pth: str, module: str) -> None:
+    """A copy of the shipped venv whose hook .pth file is named ``pth`` and imports ``module``."""
+    shutil.copytree(shipped, venv, symlinks=True)
+    folder = site_packages(venv)
+    line = (folder / SHIPPED_PTH).read_text()
+    (folder / SHIPPED_PTH).unlink()
+    if module == FLOOR:
+        (folder / f"{FLOOR}.py").write_text("")
+        _run([str(venv / "bin" / "python"), "-m", "py_compile", str(folder / f"{FLOOR}.py")])
+        line = f"import {FLOOR}\n"
+    (folder / pth).write_text(line)
+
+
+def cumulative_us(importtime: str, name: str) -> int:
+    """The cumulative import time (µs) of the module ``name`` in ``-X importtime`` output (what it
+    imports counts too); 0 if it was not imported."""
+    for line in importtime.splitlines():
+        parts = line.removeprefix("import time:").split("|")
+        if line.startswith("import time:") and len(parts) == 3 and parts[2].strip() == name:
+            return int(parts[1])
+    return 0
+
+
+def one_run(venv: Path, module: str) -> dict[str, int]:
+    """One ``python -X importtime -c pass``: the hook module's and ``_distutils_hack``'s cumulative µs."""
+    command = [str(venv / "bin" / "python"), "-X", "importtime", "-c", "pass"]
+    stderr = _run(command, env=clean_env()).stderr
+    return {"hook_us": cumulative_us(stderr, module), "hack_us": cumulative_us(stderr, HACK)}
+
+
+def check(venv: Path, module: str, first: bool) -> None:
+    """Both modules imported at start, in the expected order; the hook's watcher on sys.meta_path."""
+    command = [str(venv / "bin" / "python"), "-X", "importtime", "-c", PROBE]
+    run = _run(command, env=clean_env())
+    names = [line.split("|")[-1].strip() for line in run.stderr.splitlines()]
+    if module not in names or HACK not in names:
+        raise SystemExit(f"{venv.name}: {module} or {HACK} was not imported at start")
+    if (names.index(module) < names.index(HACK)) is not first:
+        raise SystemExit(f"{venv.name}: {module} was not imported {'first' if first else 'second'}")
+    if run.stdout.strip() != ("1" if module == HOOK else "0"):
+        raise SystemExit(f"{venv.name}: {run.stdout.strip()} watchers on sys.meta_path")
+
+
+def venvs(folder: Path) -> tuple[str, dict[str, Path]]:
+    """The wheel's name, and every venv of ``VENVS``, checked."""
+    print(f"building the wheel and {len(VENVS)} venvs in {folder}", file=sys.stderr)
+    wheel = build_wheel(folder / "dist")
+    made = {name: folder / f"venv-{index}" for index, name in enumerate(VENVS)}
+    shipped_venv(made[SHIPPED], wheel)
+    for name, (pth, module) in VENVS.items():
+        if name != SHIPPED:
+            variant(made[SHIPPED], made[name], pth, module)
+        check(made[name], module, first=pth < "distutils-precedence.pth")
+    return wheel.name, made
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return harness.Spread.of(values).record()
+
+
+def summary(runs: list[dict[str, int]]) -> dict[str, Any]:
+    """One venv's runs: the hook module's and _distutils_hack's µs, their sum, the per-run ratio."""
+    hook = [float(run["hook_us"]) for run in runs]
+    hack = [float(run["hack_us"]) for run in runs]
     return {
-        "median_with_ms": harness.median(with_ms),
-        "median_without_ms": harness.median(without_ms),
-        "median_difference_ms": harness.median([a - b for a, b in zip(with_ms, without_ms)]),
+        "hook_us": _spread(hook),
+        "hack_us": _spread(hack),
+        "both_us": _spread(_both(runs)),
+        "hook_over_hack": _spread(harness.ratios(hook, hack)),
+        "ratio_of_medians": harness.median(hook) / harness.median(hack),
+    }
+
+
+def _both(runs: list[dict[str, int]]) -> list[float]:
+    return [float(run["hook_us"] + run["hack_us"]) for run in runs]
+
+
+def against(ours: list[float], other: list[float]) -> dict[str, Any]:
+    """One side against another, round by round: the difference in µs and the ratio, and what the ratio
+    reads as (with no floor of its own: 1 inside its interquartile range or not)."""
+    ratio = harness.Spread.of(harness.ratios(ours, other))
+    return {
+        "difference_us": _spread([a - b for a, b in zip(ours, other)]),
         "ratio": ratio.record(),
         "result": harness.verdict(ratio, floor=None),
     }
 
 
-def _pair(index: int, with_package: tuple[float, float], without: tuple[float, float]) -> dict[str, Any]:
-    """One pair's record: its wall and CPU times, and which side ran first."""
+def comparisons(runs: dict[str, list[dict[str, int]]]) -> dict[str, Any]:
+    """The hook's module against the empty one in the same place, and both .pth files' modules together
+    as shipped against the hook sorting first (who lists site-packages moves; does the sum?)."""
+
+    def hook(name: str) -> list[float]:
+        return [float(run["hook_us"]) for run in runs[name]]
+
     return {
-        "with_wall_ms": with_package[0],
-        "without_wall_ms": without[0],
-        "with_cpu_ms": with_package[1],
-        "without_cpu_ms": without[1],
-        "first": harness.order_of(["with", "without"], index)[0],
+        "hook over the empty module, both after setuptools'": against(hook(SHIPPED), hook(FLOOR_LAST)),
+        "hook over the empty module, both first": against(hook(RENAMED), hook(FLOOR_FIRST)),
+        "hook + _distutils_hack, as shipped over the hook first": against(
+            _both(runs[SHIPPED]), _both(runs[RENAMED])
+        ),
     }
 
 
-def measure(with_package: Path, without: Path, pairs: int, warmup: int) -> dict[str, Any]:
-    env = clean_env()
-    sides = {"with": lambda: time_once(with_package, env), "without": lambda: time_once(without, env)}
-    harness.alternate(sides, warmup)
-    timed = harness.alternate(sides, pairs)
-    rows = [_pair(index, *pair) for index, pair in enumerate(zip(timed["with"], timed["without"]))]
-    wall = _summary(rows, "wall")
-    return {
-        "pairs": pairs,
-        "warmup_pairs": warmup,
-        "wall": wall,
-        "cpu": _summary(rows, "cpu"),
-        "goal": "wall-clock ratio <= 1.05",
-        "met": wall["ratio"]["median"] <= 1.05,
-        "runs": rows,
-    }
-
-
-SITE_PACKAGES = Path("lib") / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
-
-
-def _variant(source: Path, target: Path, pth: str) -> Path:
-    """A copy of the venv with the package, with another ``.pth`` line (measurement only)."""
-    shutil.copytree(source, target, symlinks=True)
-    site_packages = target / SITE_PACKAGES
-    (site_packages / "bnb_gc_fix.pth").write_text(pth + "\n")
-    for cached in (site_packages / "_bnb_gc_fix" / "__pycache__").glob("startup.*"):
-        cached.unlink()
-    return target / "bin" / "python"
-
-
-#: Candidate changes to the start-up hook, measured with --variants (the package is not changed).
-VARIANTS: dict[str, str] = {
-    "a plain `import _bnb_gc_fix.startup; _bnb_gc_fix.startup.install_quietly()` .pth line (not silent "
-    "when the package is missing)": "import _bnb_gc_fix.startup; _bnb_gc_fix.startup.install_quietly()",
-    "the .pth file alone (`import sys`), no start-up module: the floor of any .pth hook": "import sys",
-}
-
-
-def venvs(workdir: Path) -> tuple[str, Path, Path]:
-    """The wheel's name, the venv with it and the one without; the hook checked live in the first only."""
-    print(f"building the wheel and two venvs in {workdir}", file=sys.stderr)
-    wheel = build_wheel(workdir / "dist")
-    with_package = make_venv(workdir / "with", wheel)
-    without = make_venv(workdir / "without", None)
-    live = _run([str(with_package), "-c", PROBE], env=clean_env()).stdout.strip()
-    absent = _run([str(without), "-c", PROBE], env=clean_env()).stdout.strip()
-    if (live, absent) != ("True", "False"):
-        raise SystemExit(f"the start-up hook is not where it should be: with={live} without={absent}")
-    return wheel.name, with_package, without
-
-
-def show(measured: dict[str, Any], variants: dict[str, Any]) -> None:
-    for kind in ("wall", "cpu"):
-        figures = measured[kind]
-        ratio = harness.Spread(**figures["ratio"]).text()
-        print(
-            f"python -c pass, {kind}: {figures['median_with_ms']:.2f} ms with the package, "
-            f"{figures['median_without_ms']:.2f} ms without, "
-            f"difference {figures['median_difference_ms']:.2f} ms; "
-            f"ratio {ratio} (median of {measured['pairs']} pairs): {figures['result']}"
+def markdown(result: dict[str, Any]) -> str:
+    rows = []
+    for name, figures in result["venvs"].items():
+        rows.append(
+            [
+                name,
+                harness.Spread(**figures["hook_us"]).text(" µs", 0),
+                harness.Spread(**figures["hack_us"]).text(" µs", 0),
+                harness.Spread(**figures["both_us"]).text(" µs", 0),
+                harness.Spread(**figures["hook_over_hack"]).text("x", 2),
+                f"{figures['ratio_of_medians']:.2f}x",
+            ]
         )
-    print(f"goal {measured['goal']}: {'met' if measured['met'] else 'NOT met'}")
-    for name, figures in variants.items():
-        print(
-            f"variant, {name}: difference {figures['cpu']['median_difference_ms']:.2f} ms CPU, "
-            f"ratio {figures['wall']['ratio']['median']:.3f} wall, "
-            f"{figures['cpu']['ratio']['median']:.3f} CPU"
-        )
+    header = ["venv", "its module", HACK, "both", "per-run ratio", "ratio of medians"]
+    lines = [
+        f"`python -X importtime -c pass`, {result['rounds']} rounds of the {len(rows)} venvs, order "
+        "alternating; cumulative import times, median (interquartile range).",
+        "",
+        *harness.table(header, rows),
+        "",
+    ]
+    for name, comparison in result["comparisons"].items():
+        difference = harness.Spread(**comparison["difference_us"]).text(" µs", 0)
+        ratio = harness.Spread(**comparison["ratio"]).text("x", 2)
+        lines.append(f"- {name}: {difference}; {ratio}: **{comparison['result']}**.")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = harness.parser(__doc__)
-    parser.add_argument("--pairs", type=int, default=100, help="paired runs (at least 30; default 100)")
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--quick", action="store_true", help="20 rounds")
     parser.add_argument("--output", type=Path)
-    parser.add_argument("--variants", action="store_true", help="also time candidate changes to the hook")
     args = parser.parse_args(argv)
-    if args.pairs < 30:
-        parser.error("--pairs must be at least 30")
+    rounds = 20 if args.quick else args.rounds
     started = time.perf_counter()
-    variants: dict[str, Any] = {}
+    machine = harness.machine()  # the load as it started, before the venvs are made
     with tempfile.TemporaryDirectory(prefix="bnb-gc-fix-startup-") as folder:
-        workdir = Path(folder)
-        wheel, with_package, without = venvs(workdir)
-        print(f"timing {args.pairs} pairs of `python -c pass`", file=sys.stderr)
-        measured = measure(with_package, without, args.pairs, args.warmup)
-        for index, (name, pth) in enumerate(VARIANTS.items() if args.variants else ()):
-            python = _variant(workdir / "with", workdir / f"variant-{index}", pth)
-            print(f"timing {args.pairs} pairs: {name}", file=sys.stderr)
-            figures = measure(python, without, args.pairs, args.warmup)
-            variants[name] = {kind: figures[kind] for kind in ("wall", "cpu")}
+        wheel, made = venvs(Path(folder))
+        sides = {name: partial(one_run, made[name], VENVS[name][1]) for name in VENVS}
+        harness.alternate(sides, 3)  # warm-up
+        print(f"timing {rounds} rounds of `python -X importtime -c pass`", file=sys.stderr)
+        runs = harness.alternate(sides, rounds)
     result: dict[str, Any] = {
         "benchmark": "startup",
-        "machine": harness.machine(),
-        "command": "python -c pass",
+        "machine": machine,
         "wheel": wheel,
-        "environments": (
-            "two venvs made by `python -m venv` from the same interpreter, both with wrapt and "
-            "packaging pinned to the running environment's versions; the wheel installed "
-            "--no-deps into one only"
-        ),
-        "hook_live_with_package": True,
         "method": (
-            "paired runs, order alternating every pair, after warm-up; ratio = median of pair ratios; "
-            "wall = perf_counter around spawn+wait, cpu = the child's user+system time (os.wait4), "
-            "less sensitive to other load on the machine"
+            "venvs made by `python -m venv` from the running interpreter, with its setuptools and the wheel "
+            "(--no-deps); the variants copies of it with the hook's .pth file renamed or importing an "
+            "empty module; each round runs every venv once, order alternating, after 3 warm-up rounds; "
+            "times are the cumulative `-X importtime` figures of the .pth files' modules"
         ),
-        **measured,
-        "variants": variants,
+        "venvs": {name: {"pth": VENVS[name][0], **summary(found)} for name, found in runs.items()},
+        "comparisons": comparisons(runs),
+        "rounds": rounds,
+        "runs": runs,
         "wall_s": time.perf_counter() - started,
     }
-    harness.write_json(args.output or harness.RESULTS / "startup.json", result)
-    show(measured, variants)
+    output = harness.output_path("startup.json", args.quick, args.output)
+    harness.write_results(output, result, markdown(result))
     return result
 
 
