@@ -20,8 +20,8 @@ pytestmark = [
         not AFFECTED or TRANSFORMERS is None or Version(TRANSFORMERS) < Version("5"),
         reason="needs an affected bitsandbytes (0.48-0.49) and transformers 5's fused experts",
     ),
-    # About 40 s of three interpreters: outside the README's test command (its time budget), run by
-    # CI as a step of its own (.ci/run) with this variable set.
+    # About 15 s of three interpreters (40 s on a loaded machine): outside the README's test command (its
+    # time budget), run by CI as a step of its own (.ci/run) with this variable set.
     pytest.mark.skipif(
         os.environ.get("BNB_GC_FIX_BENCHMARK_SMOKE") != "1",
         reason="the benchmark smoke runs with BNB_GC_FIX_BENCHMARK_SMOKE=1 (CI's benchmark step)",
