@@ -430,7 +430,7 @@ def proc_status(pid: int | str = "self") -> dict[str, int]:
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on (every result JSON's ``machine``), and the load as it started."""
+    """What the figures were measured on (every result JSON's ``machine``), the load average as called."""
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -115,30 +115,6 @@ def same_outputs(modules: dict[str, Any], x: Any) -> None:
     assert all(torch.equal(outputs[0], output) for output in outputs)
 
 
-def dequantizations(module: Any, call: Callable[[], Any]) -> int:
-    """How often one ``call`` dequantizes the module's quantized parameters (calls of their
-    parametrizations' forwards, which run ``dequantize_4bit``), all of them together."""
-    count = 0
-    counted_ones = [module.parametrizations[name][0] for name in module.parametrizations]
-
-    def counting(original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            nonlocal count
-            count += 1
-            return original(*args, **kwargs)
-
-        return counted
-
-    for parametrization in counted_ones:
-        parametrization.forward = counting(parametrization.forward)
-    try:
-        call()
-    finally:
-        for parametrization in counted_ones:
-            del parametrization.forward
-    return count
-
-
 def _case(result: dict[str, Any]) -> dict[str, Any]:
     """Every configuration's ratio to the baseline, and the fix's reading against the noise floor."""
     by_round = result["ns_per_call_by_round"]
@@ -194,17 +170,15 @@ def hooks_through_call(made: dict[str, Any], calls: int, rounds: int) -> dict[st
 
 def forward_one_thread(made: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
     """Case b: a real no-grad 4-bit forward of the experts module (both parameters dequantized), one
-    thread; dequantizations per forward counted for each configuration."""
+    thread."""
     import torch
 
     modules = experts_modules(made)
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
     same_outputs(modules, x)
     with torch.no_grad():
-        counted = {name: dequantizations(module, partial(module, x)) for name, module in modules.items()}
         configs = {name: harness.loop(partial(module, x)) for name, module in modules.items()}
         result = harness.blocks(configs, calls, rounds, BASELINE)
-    result["dequantizations_per_forward"] = counted
     return _case(result)
 
 
@@ -286,9 +260,6 @@ def _case_markdown(title: str, case: dict[str, Any]) -> list[str]:
     ratio = harness.Spread(**comparison["ratio"]).text()
     floor = harness.Spread(**comparison["noise_floor"]).text()
     lines += ["", f"bnb-gc-fix / 0.50 pairs {ratio}; noise floor {floor}: **{comparison['result']}**."]
-    if "dequantizations_per_forward" in case:
-        counted = ", ".join(f"{name} {count}" for name, count in case["dequantizations_per_forward"].items())
-        lines += ["", f"Dequantizations per forward: {counted}."]
     return [*lines, ""]
 
 

@@ -607,19 +607,6 @@ def anchor(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     return result
 
 
-def largest_layer_count(runs: list[dict[str, Any]], column: str, steps: int) -> int | None:
-    """The most layers ``column`` ran all its steps at, unstopped."""
-    finished = [
-        run["layers"]
-        for run in runs
-        if run["column"] == column
-        and not run.get("skipped")
-        and run["summary"]["steps_done"] == steps
-        and not run["stopped"]
-    ]
-    return max(finished, default=None)
-
-
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "model": "reduced width (smoke)" if args.smoke else "allenai/OLMoE-1B-7B-0924 shapes",
@@ -664,9 +651,6 @@ def drive(args: argparse.Namespace, output: Path) -> dict[str, Any]:
             result["wall_s"] = time.perf_counter() - started
             result["anchor"] = anchor(result["runs"])
             harness.write_json(output, result)  # after every run, so a stopped benchmark keeps its figures
-    result["largest_layer_count"] = {
-        column: largest_layer_count(result["runs"], column, args.steps) for column in args.columns
-    }
     result["wall_s"] = time.perf_counter() - started
     return result
 
