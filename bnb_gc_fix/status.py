@@ -40,7 +40,7 @@ class Status:
     libraries: tuple[LibraryStatus, ...]  # bitsandbytes first
     turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
     switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
-    start_up_hook: bool  # whether the start-up hook ran in this process (then every process here runs it)
+    start_up_hook_ran: bool  # whether the start-up hook ran in this process
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     held_by_the_fix: int  # how many of the counter's holds the fix's hooks keep
@@ -86,7 +86,7 @@ class Status:
             text = f"off ({switch})"
         else:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
-        if self.start_up_hook:
+        if self.start_up_hook_ran:
             return text + "; the start-up hook ran in this process"
         return text + (
             "; the start-up hook did not run in this process (installed outside site-packages, or "
@@ -235,7 +235,7 @@ def status() -> Status:
         libraries=libraries,
         turned_on_by=activation.process.turned_on_by,
         switch=activation.process.switch,
-        start_up_hook=startup.started,
+        start_up_hook_ran=startup.started,
         counter=counter,
         cache_bytes=cache_bytes,
         held_by_the_fix=_held_by_the_fix(),

@@ -101,8 +101,8 @@ def test_status_says_where_the_start_up_hook_did_not_run(
     command = ["-m", "bnb_gc_fix", "status", "--json"]
     there = run_python(command, env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path)
     here = run_python(command, env=environment(), cwd=tmp_path)  # the control: this environment runs it
-    assert json.loads(there.stdout)["start_up_hook"] is False
-    assert json.loads(here.stdout)["start_up_hook"] is True
+    assert json.loads(there.stdout)["start_up_hook_ran"] is False
+    assert json.loads(here.stdout)["start_up_hook_ran"] is True
     text = run_python(
         ["-m", "bnb_gc_fix", "status"],
         env=environment(PYTHONPATH=str(target)),
