@@ -204,8 +204,8 @@ def _while_on(library: Library, named: str) -> tuple[str, str]:
         return UNPROTECTED, f"the fix could not be put in: {decision.skipped}"
     if sys.modules.get(library.module) is None:
         return NOT_AFFECTED, (
-            f"{library.module} is not imported yet (it is when a model is quantized); the fix goes in the "
-            "moment it is"
+            f"{library.module} is not imported, so nothing here has quantized a module with "
+            f"{library.quantizer}; the fix goes in the moment it is imported"
         )
     if not decision.decided:
         return UNPROTECTED, (

@@ -343,7 +343,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "axolotl.monkeypatch.moe_quant is not imported yet (it is when a model is quantized); "
-        "the fix goes in the moment it is"
+        "axolotl.monkeypatch.moe_quant is not imported, so nothing here has quantized a module with "
+        "quantize_moe_experts; the fix goes in the moment it is imported"
     ]
     assert facts["state"] == ["protected"] and facts["hooks"] == 1
