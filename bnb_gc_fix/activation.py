@@ -83,19 +83,6 @@ def _why_not(library: Library, module: ModuleType) -> str | None:
     return patch.unexpected(module, library)
 
 
-def _held_while_off(module: ModuleType) -> int:
-    """Holds on torch's counter the fix's hooks did not take, while modules it took over hold the module's
-    hook functions. With the fix out of them (after ``deactivate()``) such a module's forward takes its
-    hold with the library's own code, which the fix's off hook, put in under that forward, never gives back.
-    """
-    from bnb_gc_fix import cache, gate
-
-    enable = getattr(module, "_enable_parametrization_cache", None)
-    if not gate.covering(enable):
-        return 0
-    return max(cache.counter() - gate.held_by_every_thread(), 0)
-
-
 def _decide(library: Library, module: ModuleType) -> None:
     """Put the fix into an imported library module where it is needed and can be."""
     from bnb_gc_fix import patch
@@ -103,14 +90,6 @@ def _decide(library: Library, module: ModuleType) -> None:
     decision = process.decisions[library.name]
     decision.decided = True
     decision.skipped = _why_not(library, module)
-    needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
-    held_while_off = 0 if patch.is_applied(module) else _held_while_off(module)
-    if needed and decision.skipped is None and held_while_off:
-        decision.skipped = (
-            f"torch's parametrization cache holds {held_while_off} holds taken while the fix was off, and "
-            "a forward that took them may still be running: call bnb_gc_fix.activate() once nothing runs "
-            "(after bnb_gc_fix.reset() if the counter is stuck)"
-        )
     if decision.skipped is not None:
         if not decision.warned:
             decision.warned = True
@@ -118,6 +97,7 @@ def _decide(library: Library, module: ModuleType) -> None:
                 f"bnb-gc-fix is not active for {library.name}: {decision.skipped}", PatchSkippedWarning
             )
         return
+    needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
     if needed:
         patch.apply(module, library)
         logger.info("the fix is in %s %s (%s)", library.name, version_of(library.name), library.module)
@@ -187,8 +167,8 @@ def imported(name: str) -> None:
 
 
 def deactivate() -> None:
-    """Put every library's own code back, and forget the holds the fix kept (modules it took over keep
-    one pair, always called: bitsandbytes 0.50's shape). ``activate()`` turns it on again."""
+    """Put every library's own code back; modules the fix took over keep one pair of the library's hooks,
+    registered as the library registers them. ``activate()`` turns the fix on again."""
     with lock():
         _turn_off(deactivated=True)
 
@@ -200,7 +180,7 @@ def _turn_off(deactivated: bool) -> None:
             from bnb_gc_fix import gate, patch  # torch is imported: the library's module imported it
 
             patch.remove(module, library)
-            gate.forget_every_hold()
+            gate.let_every_module_go()
         process.decisions[library.name] = Decision(warned=process.decisions[library.name].warned)
     process.turned_on_by = None
     process.deactivated = deactivated

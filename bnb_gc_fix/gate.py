@@ -1,6 +1,6 @@
 """What a library's two hook functions do once the fix is on: exact holds on torch's parametrization cache.
 
-A *hold* is one count on torch's counter (``P._cache_enabled``; the cache is on while it is above 0),
+A *hold* is one count on torch's counter (``P._cache_enabled``; the cache is on while it is not 0),
 taken by a module's forward pre-hook (:func:`enable_code`) for that module on its thread. The module's
 forward hook (:func:`disable_code`), which torch calls even when the forward raises, gives it back, and the
 cache is emptied when the counter reaches 0. torch calls no hook when a ``BaseException`` (Ctrl-C) leaves a
@@ -62,6 +62,10 @@ _local = _Local()
 
 #: The modules taken over, by ``id``; an entry goes when its module is collected.
 _taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
+#: For a module taken over whose off hook the fix marked always called, that hook's key (torch's handle id).
+_marked: dict[int, int] = {}
+#: The modules let go when the fix last left: each is taken over again at its next forward with the fix on.
+_let_go: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 def _in_a_forked_child() -> None:
@@ -146,11 +150,13 @@ def _fold(module: torch.nn.Module) -> bool:
         del post_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         always.pop(key, None)
-    if disables:
-        always[disables[-1]] = True
-    else:
-        module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
     key = id(module)
+    if not disables:
+        handle = module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
+        _marked[key] = handle.id
+    elif disables[-1] not in always:
+        always[disables[-1]] = True
+        _marked[key] = disables[-1]
     _taken_over[key] = weakref.ref(module, lambda _, key=key: _collected(key))  # type: ignore[misc]
     return True
 
@@ -158,6 +164,7 @@ def _fold(module: torch.nn.Module) -> bool:
 def _collected(key: int) -> None:
     """A module taken over is gone: give back every thread's hold for it."""
     _taken_over.pop(key, None)
+    _marked.pop(key, None)
     for holds in list(_EVERY_THREAD.values()):
         if holds.pop(key, None) is not None:
             give_back(1)
@@ -173,14 +180,32 @@ def is_taken_over(module: torch.nn.Module) -> bool:
 
 
 def covered() -> list[torch.nn.Module]:
-    """The modules taken over that are alive."""
+    """The modules taken over that are alive, and those let go, which are taken over again at their next
+    forward while the fix is on."""
     modules = (ref() for ref in list(_taken_over.values()))
-    return [module for module in modules if module is not None]
+    taken = [module for module in modules if module is not None]
+    return taken + [module for module in list(_let_go) if id(module) not in _taken_over]
 
 
-def covering(enable: object) -> int:
+def number_holding(enable: object) -> int:
     """How many of the modules taken over hold ``enable`` (a library's hook function) as a pre-hook."""
     return sum(any(hook is enable for hook in m._forward_pre_hooks.values()) for m in covered())
+
+
+def let_every_module_go() -> None:
+    """The fix is leaving: each module taken over gets its off hook back as its library registered it
+    (plain, where the fix marked it always called), and every module and every hold is forgotten. With
+    the fix on again, a module's next forward takes it over anew."""
+    for key, ref in list(_taken_over.items()):
+        module = ref()
+        marked = _marked.get(key)
+        if module is not None and marked is not None:
+            module._forward_hooks_always_called.pop(marked, None)
+        if module is not None:
+            _let_go.add(module)
+    _taken_over.clear()
+    _marked.clear()
+    forget_every_hold()
 
 
 # --- for the safety nets, repair and reset --------------------------------------------------------------

@@ -135,7 +135,7 @@ def _covered(library: Library) -> int:
     enable = getattr(sys.modules.get(library.module), "_enable_parametrization_cache", None)
     if gate is None or enable is None:
         return 0
-    return int(gate.covering(enable))
+    return int(gate.number_holding(enable))
 
 
 def _applied(library: Library) -> bool:

@@ -276,7 +276,7 @@ facts["state off"] = bnb_gc_fix.status().state
 plain = torch.nn.Sequential(quantized.make(params=2), quantized.make(params=1), torch.nn.Linear(4, 4))
 facts["plain"] = pairing(plain[0])
 facts["repair while off"] = bnb_gc_fix.repair(plain)
-facts["taken over, while off"] = pairing(taken_over)  # one always-called pair, bitsandbytes' code
+facts["taken over, while off"] = pairing(taken_over)  # one pair, bitsandbytes' code
 bnb_gc_fix.activate()
 facts["repair"] = bnb_gc_fix.repair(plain)
 facts["again"] = bnb_gc_fix.repair(plain)
@@ -293,50 +293,59 @@ def test_activate_is_idempotent_deactivate_puts_bitsandbytes_back_and_repair() -
     assert facts["state off"] == "unprotected"
     assert facts["plain"] == [2, 2]  # quantized while the fix was off: bitsandbytes' two plain pairs
     assert facts["repair while off"] == 0  # the fix off: nothing to put in place
-    assert facts["taken over, while off"] == [1, 0]  # bitsandbytes 0.50's shape: one pair, always called
+    assert facts["taken over, while off"] == [1, 1]  # one pair, plain as bitsandbytes registers it
     assert facts["repair"] == 2 and facts["again"] == 0
     assert facts["repaired"] == [1, 0]
     assert facts["none"] == 0  # a model without quantized parameters: nothing to do
 
 
-# deactivate() and activate() from inside a forward of a module the fix took over: the forward took its
-# hold with bitsandbytes' own code, which the fix's off hook, put back under it, would never give back.
-OFF_AND_ON_MID_FORWARD = """
+# A module the fix took over, after deactivate(): a pre-hook ahead of bitsandbytes' raising (bitsandbytes'
+# own code then runs, as without the fix), then activate() from inside a forward that began while off.
+OFF_AND_ON = """
 import torch
 import bnb_gc_fix
 import quantized
 module = quantized.make()
 x = torch.randn(2, 64)
-module(x)  # taken over
+module(x)  # taken over, where the fix is on
+bnb_gc_fix.deactivate()
 facts = {}
-bnb_gc_fix.deactivate()
-module(x)  # the library's own code takes and gives back the hold
-bnb_gc_fix.activate()
-facts["after a forward while off"] = quantized.counter()
-bnb_gc_fix.deactivate()
+
+def refuse(m, args):
+    raise RuntimeError("an earlier pre-hook")
+
+first = module.register_forward_pre_hook(refuse, prepend=True)
+for _ in range(3):
+    try:
+        module(x)
+    except RuntimeError:
+        pass
+first.remove()
+facts["after an earlier pre-hook raised"] = quantized.counter()
 
 def during(m, args):
     facts["state inside"] = bnb_gc_fix.activate().state
 
-pre = module.register_forward_pre_hook(during)  # after the library's pre-hook: its hold is taken
+later = module.register_forward_pre_hook(during)  # after bitsandbytes' pre-hook: its +1 is taken
 module(x)
-pre.remove()
-facts["counter after"] = quantized.counter()
-facts["state after"] = bnb_gc_fix.status().state
-facts["state on again"] = bnb_gc_fix.activate().state
+later.remove()
+facts["after the forward"] = quantized.counter()
 facts["steps"] = quantized.checkpointed_counters(module, steps=2)
 print(json.dumps(facts))
 """
 
 
-def test_activate_under_a_forward_that_took_its_hold_while_off_waits_until_nothing_runs() -> None:
-    facts = run_code(OFF_AND_ON_MID_FORWARD, prelude="scenarios", switch=FIX).last_json
-    assert facts["after a forward while off"] == 0  # bitsandbytes' own pair, always called, gave it back
-    assert facts["state inside"] == "unprotected"  # refused: the hold in flight is not the fix's
-    assert facts["counter after"] == 0  # the library's own off hook gave it back
-    assert facts["state after"] == "unprotected"
-    assert facts["state on again"] == "protected"  # nothing runs: on
-    assert facts["steps"] == [0, 0]
+def test_deactivate_then_activate_even_inside_a_forward_ends_no_worse_than_the_control() -> None:
+    fixed = run_code(OFF_AND_ON, prelude="scenarios", switch=FIX).last_json
+    control = run_code(OFF_AND_ON, prelude="scenarios", switch="0").last_json
+    # bitsandbytes' own code on a pair registered as it registers it: nothing runs after the raise
+    assert fixed["after an earlier pre-hook raised"] == control["after an earlier pre-hook raised"] == 0
+    assert fixed["state inside"] == "protected"  # turned on under a forward that began while off...
+    assert fixed["after the forward"] == control["after the forward"] == 0  # ...whose +1 is given back
+    assert fixed["steps"] == [0, 0]
+    if AFFECTED:
+        assert control["state inside"] == "unprotected"
+        assert control["steps"][1] > control["steps"][0] > 0
 
 
 # A model quantized while the fix was off, then trained with it on (or, the control, still off).
