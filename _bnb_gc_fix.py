@@ -43,6 +43,11 @@ def switched_off() -> bool:
     return mode_of(os.environ.get(VARIABLE)) == OFF
 
 
+#: The pair's two functions, by the same names in every library's module.
+ENABLE = "_enable_parametrization_cache"  # the pre-hook: `P._cache_enabled += 1`
+DISABLE = "_disable_parametrization_cache"  # the plain forward hook: `-= 1`, the cache emptied at 0
+
+
 class Library:
     """A library whose module registers the leaking pair of hooks on the modules it quantizes."""
 
@@ -52,7 +57,7 @@ class Library:
         self, name: str, module: str, register: str, quantizer: str, first_affected: str, first_fixed: str
     ) -> None:
         self.name = name
-        self.module = module  # holds the pair's two functions; the fix turns on when it is imported
+        self.module = module  # the name of the module that holds the pair's two functions (ENABLE, DISABLE)
         self.register = register  # the function of that module that registers the pair
         self.quantizer = quantizer  # what users call, which calls `register`
         self.first_affected = first_affected  # the first release that registers the pair

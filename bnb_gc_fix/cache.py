@@ -18,7 +18,7 @@ def parametrize() -> Any:
     return sys.modules.get(PARAMETRIZE)
 
 
-def gate() -> Any:
+def gate_if_imported() -> Any:
     """bnb-gc-fix's gate module, or None while nothing has imported it (then the fix's hooks never ran)."""
     return sys.modules.get("bnb_gc_fix.gate")
 

@@ -251,20 +251,20 @@ def enable_code(
     _taken_over: dict[int, weakref.ref[torch.nn.Module]] = _taken_over,
     _tickets: Iterator[int] = tickets,
     _compiling: Callable[[], bool] = _compiling,
-    _functions: Any = sys.modules[__name__],
+    _gate: Any = sys.modules[__name__],
 ) -> None:
     """The pre-hook: take one hold for the module on this thread, taking the module over first if that is
     still to do. A hold taken in a torch.compile trace has ticket 0 (Dynamo would compile anew for each
     ticket): no safety net's span holds it, and the module's next forward gives it back."""
     key = id(module)
     if key not in _taken_over:
-        taken = _functions.take_over(module)
+        taken = _gate.take_over(module)
         if not taken:
             _P._cache_enabled += 1  # as the library's own hook does; the off hook gives it back the same way
             return
     holds = _local.holds
     if key in holds:  # entered again on this thread: its last call ended by Ctrl-C, or calls itself
-        _functions.give_back(1)  # (a call of itself then reads its weights again: never a leak)
+        _gate.give_back(1)  # (a call of itself then reads its weights again: never a leak)
     holds[key] = 0 if _compiling() else next(_tickets)
     _P._cache_enabled += 1
 
@@ -275,14 +275,14 @@ def disable_code(
     output: Any,
     _P: Any = P,  # noqa: N803 (torch's own name for the module)
     _local: _Local = _local,
-    _functions: Any = sys.modules[__name__],
+    _gate: Any = sys.modules[__name__],
 ) -> None:
     """The forward hook, always called: give back this thread's hold for the module (give_back(1) written
     out: this is the hot path)."""
     key = id(module)
     holds = _local.holds
     if key not in holds:
-        _functions.leave_without_hold(module)
+        _gate.leave_without_hold(module)
         return
     remaining = _P._cache_enabled - 1
     if remaining > 0:

@@ -28,14 +28,14 @@ class Span:
 
     @classmethod
     def begin(cls) -> Span:
-        gate = cache.gate()
+        gate = cache.gate_if_imported()
         ticket = 0 if gate is None else next(gate.tickets)
         return cls(ticket=ticket, counter=cache.counter())
 
     def end(self) -> Ending:
         """Give back this thread's holds taken in the span, and say what stays above the span's start."""
         cached = cache.cached_bytes()
-        gate = cache.gate()
+        gate = cache.gate_if_imported()
         given = 0 if gate is None else int(gate.give_back_since(self.ticket))
         left = max(cache.counter() - self.counter, 0)
         return Ending(given_back=given, left=left, cached_bytes=cached)

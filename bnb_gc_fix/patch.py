@@ -15,11 +15,9 @@ from typing import Any
 import torch
 import wrapt
 
-from _bnb_gc_fix import Library
+from _bnb_gc_fix import DISABLE, ENABLE, Library
 from bnb_gc_fix import gate
 
-ENABLE = "_enable_parametrization_cache"  # the pre-hook: `P._cache_enabled += 1`
-DISABLE = "_disable_parametrization_cache"  # the plain forward hook: `-= 1`, the cache emptied at 0
 _GATE_CODE = {ENABLE: gate.enable_code, DISABLE: gate.disable_code}
 
 #: Each hook function given the gate's code, with its own code and defaults, to put back.

@@ -125,14 +125,14 @@ def _library_text(library: LibraryStatus) -> str:
 
 
 def _held_by_the_fix() -> int:
-    gate = cache.gate()
+    gate = cache.gate_if_imported()
     return 0 if gate is None else int(gate.held_by_every_thread())
 
 
 def _covered(library: Library) -> int:
     """The modules that hold the library's hook functions and that the fix took over."""
-    gate = cache.gate()
-    enable = getattr(sys.modules.get(library.module), "_enable_parametrization_cache", None)
+    gate = cache.gate_if_imported()
+    enable = getattr(sys.modules.get(library.module), startup.ENABLE, None)
     if gate is None or enable is None:
         return 0
     return int(gate.number_holding(enable))

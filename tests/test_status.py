@@ -54,7 +54,8 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     assert top["counter"] is None and top["cache_bytes"] is None and top["torch_imported"] is False
     # bitsandbytes 0.48-0.49 do not import their parametrize module by themselves: nothing uses it yet.
     imported = seen["after import bitsandbytes"]
-    assert imported["state"] == "not affected" and "nothing here has quantized a module with" in imported["reason"]
+    assert imported["state"] == "not affected"
+    assert "nothing here has quantized a module with" in imported["reason"]
     assert imported["counter"] == 0  # torch (and its parametrize) imported now
     assert (seen["quantized"]["state"], seen["quantized"]["covered"]) == ("protected", 1)
     assert (
