@@ -141,8 +141,9 @@ def activate(via: str = ACTIVATE) -> None:
             startup.watch()
             for library in LIBRARIES:
                 module = _imported_whole(library)
+                decision = process.decisions[library.name]
                 if module is not None:
-                    process.decisions[library.name].late = True
+                    decision.late = decision.late or not decision.decided  # imported before the fix was on
                     _decide(library, module)
     except Exception as error:  # never into the user's import
         warn_quietly(f"bnb-gc-fix could not turn on: {type(error).__name__}: {error}", PatchSkippedWarning)

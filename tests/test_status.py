@@ -30,6 +30,8 @@ from torch.utils.checkpoint import checkpoint
 import quantized
 module = quantized.quantize(quantized.Quantized(params=2))
 seen["quantized"] = show()
+bnb_gc_fix.activate()  # once more, the fix on: nothing was imported before it
+seen["activated again"] = show()
 x = torch.randn(2, 64)
 checkpoint(module, x, use_reentrant=False).sum().backward()
 seen["step"] = show()
@@ -61,6 +63,7 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     assert (
         "1 modules quantized with replace_parameter_4bit hold the fix's hooks" in seen["quantized"]["reason"]
     )
+    assert seen["activated again"]["reason"] == seen["quantized"]["reason"]
     assert seen["step"]["counter"] == 0 and seen["step"]["cache_bytes"] == 0
     leaking = seen["off, leaking step"]
     assert leaking["state"] == "unprotected" and leaking["on"] is False  # the control
