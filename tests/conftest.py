@@ -9,7 +9,9 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import venv
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -230,6 +232,30 @@ def tiny_olmoe(*flags: str, switch: str | None = None, **kwargs: Any) -> Run:
     result = run_python([str(TINY_OLMOE), *flags], switch=switch, **kwargs)
     assert result.returncode == 0, f"tiny_olmoe failed:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+@dataclass(frozen=True)
+class Venv:
+    python: Path
+    site_packages: Path
+
+
+def bare_venv(path: Path, sees_this_environment: bool = False) -> Venv:
+    """A venv of its own, without the package's start-up hook. ``sees_this_environment``: a plain path line
+    in its site-packages puts this environment's on ``sys.path``, which processes none of the ``.pth``
+    files there, so torch and bitsandbytes import while the start-up hook does not run."""
+    venv.EnvBuilder(with_pip=False).create(path)
+    python = path / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    site_packages = Path(purelib)
+    if sees_this_environment:
+        (site_packages / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return Venv(python, site_packages)
 
 
 def cache_root() -> Path:

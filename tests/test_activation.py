@@ -8,53 +8,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
-import venv
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, ROOT, SCENARIOS, environment, run_code, run_python, tiny_olmoe
+from conftest import AFFECTED, ROOT, SCENARIOS, bare_venv, environment, run_code, run_python, tiny_olmoe
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
 HEAVY = ["wrapt", "packaging", "importlib.metadata", "torch", "bitsandbytes", "bnb_gc_fix"]
-
-
-# --- fixtures: interpreters without our start-up hook -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Venv:
-    python: Path
-    site_packages: Path
-
-
-def _make_venv(path: Path, with_dependencies: bool) -> Venv:
-    """A venv whose site-packages sees this interpreter's packages as a plain path entry.
-
-    A plain path line in a .pth adds the directory to sys.path without processing the .pth
-    files inside it, so torch and bitsandbytes import while our start-up hook does not run.
-    """
-    venv.EnvBuilder(with_pip=False).create(path)
-    python = path / "bin" / "python"
-    site_packages = _site_packages(python)
-    if with_dependencies:
-        ours = sysconfig.get_paths()["purelib"]
-        (site_packages / "dependencies.pth").write_text(ours + "\n")
-    return Venv(python, site_packages)
-
-
-def _site_packages(python: Path) -> Path:
-    """``python``'s site-packages folder (asked of that interpreter)."""
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    return Path(purelib)
 
 
 # --- the start-up hook ----------------------------------------------------------------------------
@@ -106,7 +68,7 @@ def test_processes_without_bitsandbytes_never_import_the_package() -> None:
 
 @pytest.mark.parametrize("broken", ["package-removed", "bootstrap-removed", "bootstrap-corrupt"])
 def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
-    made = _make_venv(tmp_path / "venv", with_dependencies=False)
+    made = bare_venv(tmp_path / "venv")
     site = made.site_packages
     shutil.copy(ROOT / "zz_bnb_gc_fix.pth", site / "zz_bnb_gc_fix.pth")
     if broken != "bootstrap-removed":
@@ -127,7 +89,7 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
 
 
 def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
-    made = _make_venv(tmp_path / "venv", with_dependencies=False)
+    made = bare_venv(tmp_path / "venv")
     (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix; _bnb_gc_fix.install()\n")
     result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path)
     assert "Error processing line" in result.stderr

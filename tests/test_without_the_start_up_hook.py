@@ -14,12 +14,10 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
-import venv
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, ROOT, SCENARIOS, environment, run_python
+from conftest import AFFECTED, ROOT, SCENARIOS, bare_venv, environment, run_python
 
 pytestmark = pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: a leak to fix")
 
@@ -37,15 +35,7 @@ print(json.dumps({{"counters": counters, "package": "bnb_gc_fix" in sys.modules}
 def elsewhere(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A venv without the package's start-up hook, and a folder the package is installed into."""
     root = tmp_path_factory.mktemp("elsewhere")
-    venv.EnvBuilder(with_pip=False).create(root / "venv")
-    python = root / "venv" / "bin" / "python"
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    (Path(purelib) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    python = bare_venv(root / "venv", sees_this_environment=True).python
     target = root / "installed"
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(ROOT)]
     subprocess.run(pip, check=True, capture_output=True, timeout=600)
