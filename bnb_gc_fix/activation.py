@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 from types import ModuleType
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
-from bnb_gc_fix import notebook
+from bnb_gc_fix import lock, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
 from bnb_gc_fix.releases import MIN_TORCH, affected, release, version_of
 
@@ -50,20 +49,6 @@ class Process:
 
 
 process = Process()
-_lock = threading.RLock()  # the package's one lock: held to turn the fix on or off, and to take a module over
-
-
-def lock() -> threading.RLock:
-    return _lock
-
-
-def _renew_lock() -> None:  # a forked child never waits on a lock another thread of its parent held
-    global _lock
-    _lock = threading.RLock()
-
-
-if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
-    os.register_at_fork(after_in_child=_renew_lock)
 
 
 def _why_not(library: Library, module: ModuleType) -> str | None:
@@ -130,7 +115,7 @@ def activate(via: str = ACTIVATE) -> None:
     """Turn the fix on as ``BNB_GC_FIX`` says now: into each library's module now if it is imported, else
     the moment it is. Idempotent; never raises (a problem becomes a warning and a reason in status())."""
     try:
-        with lock():
+        with lock.held():
             _read_switch()
             if process.mode == startup.OFF:
                 _turn_off(deactivated=False)
@@ -157,7 +142,7 @@ def imported(name: str) -> None:
     if library is None or module is None:
         return
     try:
-        with lock():
+        with lock.held():
             if process.turned_on_by is not None:
                 process.decisions[library.name].late = False
                 _decide(library, module)
@@ -170,7 +155,7 @@ def imported(name: str) -> None:
 def deactivate() -> None:
     """Put every library's own code back; modules the fix took over keep one pair of the library's hooks,
     registered as the library registers them. ``activate()`` turns the fix on again."""
-    with lock():
+    with lock.held():
         _turn_off(deactivated=True)
 
 

@@ -1,4 +1,4 @@
-"""torch's parametrization cache, read and released without importing torch.
+"""torch's parametrization cache and the fix's holds on it, read and released without importing torch.
 
 ``P._cache_enabled`` counts the holds on the cache (it is on while the count is not 0, below 0 included)
 and ``P._cache`` keeps what parametrizations compute while it is on. Before torch's parametrize module is
@@ -11,6 +11,14 @@ import sys
 from typing import Any
 
 PARAMETRIZE = "torch.nn.utils.parametrize"
+
+#: What status and the safety nets say of holds on the counter that the fix's hooks did not take.
+UNKNOWN_HOLDS = (
+    "bnb-gc-fix cannot tell whose these holds are (a P.cached() block still open, another thread's forward, "
+    "a forward begun before the fix turned on, or a pair of hooks the fix is not in: bitsandbytes' own where "
+    "the fix is off or not needed); if nothing holds them on purpose, bnb_gc_fix.reset() releases them once "
+    "nothing runs"
+)
 
 
 def parametrize() -> Any:

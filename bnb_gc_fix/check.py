@@ -39,7 +39,7 @@ class Step:
 @dataclass(frozen=True)
 class CheckResult:
     device: str
-    state: str  # status()'s first line while the check's first model was alive: the fix's state for it
+    status_line: str  # status()'s first line while the check's first model was alive: the fix's state for it
     steps: list[Step] = field(default_factory=list)  # the routers trained alone: the cache after each step
     adapter_steps: int = 0  # the steps that ran with the adapter trained through the experts
     adapter_error: str | None = None  # what stopped them ("CheckpointError: ...")
@@ -127,7 +127,7 @@ def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> Ch
     frozen: list[tuple[int, int, float]] = []
     model = check_model.build(replace_parameter_4bit, device, adapted=False)
     check_model.train(model, device, steps, frozen)
-    state = status().lines()[0]
+    status_line = status().state_line()
     reset()  # the second run starts clean, whatever the first left
     adapted: list[tuple[int, int, float]] = []
     error = None
@@ -137,4 +137,4 @@ def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> Ch
     except CheckpointError as failure:
         error = f"CheckpointError: {str(failure).splitlines()[0]}"
     cache_after = [Step(number, *after) for number, after in enumerate(frozen, start=1)]
-    return CheckResult(device, state, cache_after, adapter_steps=len(adapted), adapter_error=error)
+    return CheckResult(device, status_line, cache_after, adapter_steps=len(adapted), adapter_error=error)

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from _bnb_gc_fix import LIBRARIES
+from _bnb_gc_fix import BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, try_import
 from bnb_gc_fix.releases import predates
@@ -100,11 +100,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _print_check(result: Any, current: Status) -> None:
-    bitsandbytes = current.libraries[0].version
+    bitsandbytes = current.library(BITSANDBYTES.name).version
     torch = getattr(sys.modules.get("torch"), "__version__", None)
     print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {torch}, device {result.device}")
-    print(result.state)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
-    print(current.lines()[1])  # the fix: on or off, and whether the start-up hook ran in this process
+    print(result.status_line)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
+    print(current.fix_line())  # the fix: on or off, and whether the start-up hook ran in this process
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.utils.parametrize as P
 
-from bnb_gc_fix import activation, cache
+from bnb_gc_fix import cache, lock
 
 #: Each hold's ticket: a hold taken later has a larger one (a safety net gives back those after its own).
 tickets = itertools.count(1)
@@ -129,7 +129,7 @@ def take_over(module: torch.nn.Module) -> bool:
     places of the first enable and the last disable hook (every other hook keeps its place); returns
     whether it holds such a pair now. Never raises."""
     try:
-        with activation.lock():
+        with lock.held():
             return _fold(module)
     except Exception:  # hook dictionaries that do not look as torch's: the library's own behaviour
         return False
@@ -157,7 +157,9 @@ def _fold(module: torch.nn.Module) -> bool:
     elif disables[-1] not in always:
         always[disables[-1]] = True
         _marked[key] = disables[-1]
-    _taken_over[key] = weakref.ref(module, lambda _, key=key: _collected(key))  # type: ignore[misc]
+    _taken_over[key] = weakref.ref(module)
+    collected = weakref.finalize(module, _collected, key)
+    collected.atexit = False  # nothing for a module alive at exit, or collected while the interpreter ends
     return True
 
 

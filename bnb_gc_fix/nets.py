@@ -65,10 +65,7 @@ class Ending:
         if self.left:
             parts.append(
                 f"torch's parametrization-cache counter stays {self.left} above where it was when {where} "
-                "began, and bnb-gc-fix cannot tell whose these holds are (a P.cached() block still open, "
-                "another thread's forward, or a pair of hooks the fix is not in: bitsandbytes' own where "
-                "the fix is off or not needed); if nothing holds them on purpose, bnb_gc_fix.reset() "
-                "releases them once nothing runs"
+                f"began, and {cache.UNKNOWN_HOLDS}"
             )
         return "; ".join(parts) + "."
 

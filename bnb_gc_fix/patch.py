@@ -18,7 +18,8 @@ import wrapt
 from _bnb_gc_fix import DISABLE, ENABLE, Library
 from bnb_gc_fix import gate
 
-_GATE_CODE = {ENABLE: gate.enable_code, DISABLE: gate.disable_code}
+#: By name, the gate function whose code and defaults each of a library's hook functions gets.
+_GATE_FUNCTIONS = {ENABLE: gate.enable_code, DISABLE: gate.disable_code}
 
 #: Each hook function given the gate's code, with its own code and defaults, to put back.
 _own: dict[FunctionType, tuple[CodeType, Any]] = {}
@@ -44,11 +45,12 @@ def _own_code(function: FunctionType) -> CodeType:
 def unexpected(module: ModuleType, library: Library) -> str | None:
     """What of the module does not look as the fix needs it (None: all does): each hook function a plain
     function taking exactly torch's arguments for its hook, and the register function."""
-    for name, gate_code in _GATE_CODE.items():
+    for name, gate_function in _GATE_FUNCTIONS.items():
         function = getattr(module, name, None)
         if not isinstance(function, FunctionType):
             return f"{library.module}.{name} is not a Python function"
-        expected = gate_code.__code__.co_argcount - len(gate_code.__defaults__ or ())  # torch's arguments
+        bound = len(gate_function.__defaults__ or ())  # the names the gate's code binds, after torch's
+        expected = gate_function.__code__.co_argcount - bound
         code = _own_code(function)
         starred = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
         plain = code.co_kwonlyargcount == 0 and not starred
@@ -61,11 +63,11 @@ def unexpected(module: ModuleType, library: Library) -> str | None:
 
 def apply(module: ModuleType, library: Library) -> None:
     """Give the module's hook functions the gate's code, and wrap its register function (once)."""
-    functions = [getattr(module, name) for name in _GATE_CODE]
-    for function, gate_code in zip(functions, _GATE_CODE.values()):
+    functions = [getattr(module, name) for name in _GATE_FUNCTIONS]
+    for function, gate_function in zip(functions, _GATE_FUNCTIONS.values()):
         _own.setdefault(function, (function.__code__, function.__defaults__))
-        function.__code__ = gate_code.__code__
-        function.__defaults__ = gate_code.__defaults__
+        function.__code__ = gate_function.__code__
+        function.__defaults__ = gate_function.__defaults__
     pair = (functions[0], functions[1])
     if pair not in gate.PAIRS:
         gate.PAIRS.append(pair)
@@ -76,7 +78,7 @@ def apply(module: ModuleType, library: Library) -> None:
 
 def remove(module: ModuleType, library: Library) -> None:
     """Put the library's own code and register function back."""
-    functions = [getattr(module, name, None) for name in _GATE_CODE]
+    functions = [getattr(module, name, None) for name in _GATE_FUNCTIONS]
     for function in functions:
         own = _own.pop(function, None) if isinstance(function, FunctionType) else None
         if own is not None:
@@ -89,8 +91,8 @@ def remove(module: ModuleType, library: Library) -> None:
 
 def is_applied(module: ModuleType) -> bool:
     """Whether the module's hook functions run the fix's code right now (a reload makes new ones)."""
-    for name, gate_code in _GATE_CODE.items():
+    for name, gate_function in _GATE_FUNCTIONS.items():
         function = getattr(module, name, None)
-        if getattr(function, "__code__", None) is not gate_code.__code__:
+        if getattr(function, "__code__", None) is not gate_function.__code__:
             return False
     return True

@@ -73,12 +73,21 @@ class Status:
         facts.update(state=self.state, reason=self.reason, on=self.on, covered=self.covered)
         return facts
 
+    def library(self, name: str) -> LibraryStatus:
+        return next(library for library in self.libraries if library.name == name)
+
     def lines(self) -> list[str]:
         """What ``bnb-gc-fix status`` and ``print(status())`` show, a fact a line."""
-        lines = [f"state: {self.state}: {self.reason}", f"fix:   {self._fix_text()}"]
+        lines = [self.state_line(), self.fix_line()]
         lines.append(f"cache: {self._cache_text()}")
         lines += [_library_text(library) for library in self.libraries]
         return lines
+
+    def state_line(self) -> str:
+        return f"state: {self.state}: {self.reason}"
+
+    def fix_line(self) -> str:
+        return f"fix:   {self._fix_text()}"
 
     def _fix_text(self) -> str:
         switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
@@ -100,11 +109,7 @@ class Status:
         text = f"counter {self.counter}, {self.cache_bytes} bytes"
         others = self.counter - self.held_by_the_fix
         if others > 0:
-            text += (
-                f"; {others} holds not taken by the fix's hooks (a P.cached() block, a forward started "
-                "before the fix turned on, or a pair of hooks it does not cover): if nothing holds them on "
-                "purpose, bnb_gc_fix.reset() releases them once nothing runs"
-            )
+            text += f"; {others} holds not taken by the fix's hooks: {cache.UNKNOWN_HOLDS}"
         return text
 
     def __str__(self) -> str:
@@ -115,10 +120,10 @@ def _library_text(library: LibraryStatus) -> str:
     if library.version is None:
         return f"{library.name}: not imported here"
     facts = {lib.name: lib for lib in LIBRARIES}[library.name]
-    releases = f"{facts.first_affected} to before {facts.first_fixed}"
+    leaking = f"{facts.first_affected} to before {facts.first_fixed}"
     release = {
-        True: f"a release that leaks this way without the fix ({releases})",
-        False: f"a release that does not leak this way (those from {releases} do)",
+        True: f"a release that leaks this way without the fix ({leaking})",
+        False: f"a release that does not leak this way (those from {leaking} do)",
         None: "a release whose version cannot be read",
     }[library.affected]
     return f"{library.name} {library.version}: {release}; here: {library.state}"
@@ -129,19 +134,20 @@ def _held_by_the_fix() -> int:
     return 0 if gate is None else int(gate.held_by_every_thread())
 
 
-def _covered(library: Library) -> int:
-    """The modules that hold the library's hook functions and that the fix took over."""
-    gate = cache.gate_if_imported()
-    enable = getattr(sys.modules.get(library.module), startup.ENABLE, None)
-    if gate is None or enable is None:
-        return 0
-    return int(gate.number_holding(enable))
-
-
 def _applied(library: Library) -> bool:
     patch = sys.modules.get("bnb_gc_fix.patch")
     module = sys.modules.get(library.module)
     return patch is not None and module is not None and bool(patch.is_applied(module))
+
+
+def _covered(library: Library) -> int:
+    """The modules that hold the library's hook functions, with the fix's code in them, and that the fix
+    took over (or takes over again at their next forward)."""
+    gate = cache.gate_if_imported()
+    enable = getattr(sys.modules.get(library.module), startup.ENABLE, None)
+    if gate is None or enable is None or not _applied(library):
+        return 0
+    return int(gate.number_holding(enable))
 
 
 def _where_the_fix_is(library: Library, named: str) -> tuple[str, str]:

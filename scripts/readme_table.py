@@ -307,8 +307,11 @@ def _run_commands(commands: list[str]) -> str:
     outputs = re.split(rf"^{re.escape(marker)}(?:\d+|end)\n", completed.stdout, flags=re.M)[1:]
     lines: list[str] = []
     for command, output in zip(commands, outputs):
+        printed = [line for line in output.splitlines() if not any(n in line for n in _FOREIGN)]
+        if not printed:  # every documented command prints something: a blank block is a broken run
+            raise SystemExit(f"`{command}` printed nothing here; is this the Quick start's environment?")
         lines.append(f"$ {command}")
-        lines += [line for line in output.splitlines() if not any(n in line for n in _FOREIGN)]
+        lines += printed
     return "\n".join(lines) + "\n"
 
 

@@ -136,6 +136,28 @@ def test_keyboard_interrupt_control_stays_stuck() -> None:
     assert before_delete == after_delete == 4  # two more stuck holds, and nothing gives any back
 
 
+# A deep copy outlives its original until the interpreter's last collection (torch's parametrize keeps
+# the original reachable from the copy), which runs after module globals are torn down.
+COLLECTED_AT_EXIT = """
+import copy, torch
+import quantized
+import bnb_gc_fix
+module = quantized.make(params=1)
+module(torch.randn(2, 64))
+kept = copy.deepcopy(module)
+del module
+kept(torch.randn(2, 64))
+print(quantized.counter())
+"""
+
+
+@pytest.mark.parametrize("switch", [None, "0"], ids=["fix", "control"])
+def test_a_module_collected_at_exit_prints_nothing(switch: str | None) -> None:
+    result = run_code(COLLECTED_AT_EXIT, prelude="scenarios", switch=switch)
+    assert result.last_line == "0"
+    assert "Exception ignored" not in result.stderr, result.stderr  # was: a TypeError from gate.py
+
+
 # A module that calls itself; its first inner call is stopped by a KeyboardInterrupt, which it catches.
 SELF_CALLS = """
 import torch
@@ -273,11 +295,13 @@ bnb_gc_fix.deactivate()  # once: after two activate() calls, bitsandbytes' own c
 current = (parametrize._enable_parametrization_cache.__code__, parametrize._register_parametrization_hooks)
 facts["own code back"] = current == own
 facts["state off"] = bnb_gc_fix.status().state
+facts["covered off"] = bnb_gc_fix.status().covered
 plain = torch.nn.Sequential(quantized.make(params=2), quantized.make(params=1), torch.nn.Linear(4, 4))
 facts["plain"] = pairing(plain[0])
 facts["repair while off"] = bnb_gc_fix.repair(plain)
 facts["taken over, while off"] = pairing(taken_over)  # one pair, bitsandbytes' code
 bnb_gc_fix.activate()
+facts["covered on again"] = bnb_gc_fix.status().covered  # taken over anew at its next forward
 facts["repair"] = bnb_gc_fix.repair(plain)
 facts["again"] = bnb_gc_fix.repair(plain)
 facts["repaired"] = pairing(plain[0])
@@ -291,6 +315,8 @@ def test_activate_is_idempotent_deactivate_puts_bitsandbytes_back_and_repair() -
     assert facts["taken over"] == [1, 0]  # one always-called pair for two quantized parameters
     assert facts["own code back"]  # one deactivate() undid two activate()
     assert facts["state off"] == "unprotected"
+    assert facts["covered off"] == 0  # bitsandbytes' own code: no module holds the fix's hooks
+    assert facts["covered on again"] == 1
     assert facts["plain"] == [2, 2]  # quantized while the fix was off: bitsandbytes' two plain pairs
     assert facts["repair while off"] == 0  # the fix off: nothing to put in place
     assert facts["taken over, while off"] == [1, 1]  # one pair, plain as bitsandbytes registers it
