@@ -1,5 +1,6 @@
 """The documentation cannot drift from the code: the README's Quick start commands are the ones
-``.ci/run`` runs, its table of who is affected says the releases the package states, the matrix table is
+``.ci/run`` runs, its first screen says who is affected in a user's words and its table the releases the
+package states, it explains every state word status can print, the matrix table is
 rendered from the committed results, and every console block of README.md and docs/*.md is what its
 commands print now (each run here, in fresh processes)."""
 
@@ -54,6 +55,30 @@ def test_the_readmes_table_of_who_is_affected_says_the_releases_the_package_stat
     first, fixed = releases["axolotl"]
     (major, minor), (_, fixed_minor) = _minor(first), _minor(fixed)
     assert any(f"axolotl {major}.{minor}-{major}.{fixed_minor - 1}," in row for row in rows), rows
+
+
+def test_the_readmes_first_screen_says_who_is_affected_in_the_users_words() -> None:
+    first_screen = "\n".join((ROOT / "README.md").read_text().splitlines()[:40])
+    for words in (
+        "replace_parameter_4bit",  # what quantizes the affected experts
+        "quantize_moe_experts",
+        "BitsAndBytesConfig",  # what does not
+        "gradient_checkpointing_enable()",  # both spellings of the switch
+        "activation_checkpointing_enable()",
+        "CheckpointError",  # the symptoms
+        "out-of-memory",
+    ):
+        assert words in first_screen, words
+
+
+def test_the_readme_explains_every_state_word_status_can_print() -> None:
+    code = "import sys, bnb_gc_fix; print('\\n'.join(sys.modules['bnb_gc_fix.status'].STATES))"
+    states = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.splitlines()
+    rows = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `")]
+    explained = [row.split("|")[1].strip() for row in rows]  # the first column of the table of states
+    assert states, "status.STATES could not be read"
+    for state in states:
+        assert f"`{state}`" in explained, (state, explained)
 
 
 def test_the_matrix_table_is_rendered_from_the_committed_results() -> None:
