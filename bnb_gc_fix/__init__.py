@@ -1,5 +1,6 @@
-"""bnb-gc-fix: bitsandbytes' 4-bit parametrization cache, kept from leaking under activation checkpointing
-and Ctrl-C. Importing the package turns the fix on, unless ``BNB_GC_FIX`` switches it off."""
+"""bnb-gc-fix: torch's parametrization cache, kept from being left on by bitsandbytes' (and axolotl's) hooks
+under activation checkpointing and Ctrl-C. Importing the package turns the fix on, unless ``BNB_GC_FIX``
+switches it off."""
 
 from __future__ import annotations
 

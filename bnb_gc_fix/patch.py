@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from types import CodeType, FunctionType, ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import wrapt
@@ -21,8 +21,17 @@ from bnb_gc_fix import gate
 #: By name, the gate function whose code and defaults each of a library's hook functions gets.
 _GATE_FUNCTIONS = {ENABLE: gate.enable_code, DISABLE: gate.disable_code}
 
-#: Each hook function given the gate's code, with its own code and defaults, to put back.
-_own: dict[FunctionType, tuple[CodeType, Any]] = {}
+
+class _Own(NamedTuple):
+    """What a hook function given the gate's code had of its own, to put back."""
+
+    module: str  # the library module it was given the gate's code in (Library.module)
+    code: CodeType
+    defaults: Any
+
+
+#: Each hook function given the gate's code; one a reload of its module replaced stays until removed.
+_own: dict[FunctionType, _Own] = {}
 
 
 class _RegisterWrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
@@ -39,7 +48,7 @@ def _take_over_what_it_registered(wrapped: Any, instance: Any, args: Any, kwargs
 
 def _own_code(function: FunctionType) -> CodeType:
     own = _own.get(function)
-    return function.__code__ if own is None else own[0]
+    return function.__code__ if own is None else own.code
 
 
 def unexpected(module: ModuleType, library: Library) -> str | None:
@@ -65,7 +74,7 @@ def apply(module: ModuleType, library: Library) -> None:
     """Give the module's hook functions the gate's code, and wrap its register function (once)."""
     functions = [getattr(module, name) for name in _GATE_FUNCTIONS]
     for function, gate_function in zip(functions, _GATE_FUNCTIONS.values()):
-        _own.setdefault(function, (function.__code__, function.__defaults__))
+        _own.setdefault(function, _Own(library.module, function.__code__, function.__defaults__))
         function.__code__ = gate_function.__code__
         function.__defaults__ = gate_function.__defaults__
     pair = (functions[0], functions[1])
@@ -77,13 +86,14 @@ def apply(module: ModuleType, library: Library) -> None:
 
 
 def remove(module: ModuleType, library: Library) -> None:
-    """Put the library's own code and register function back."""
-    functions = [getattr(module, name, None) for name in _GATE_FUNCTIONS]
-    for function in functions:
-        own = _own.pop(function, None) if isinstance(function, FunctionType) else None
-        if own is not None:
-            function.__code__, function.__defaults__ = own  # type: ignore[union-attr]
-    gate.PAIRS[:] = [pair for pair in gate.PAIRS if pair[0] is not functions[0]]
+    """Put the library's own code back into every hook function of its module the fix gave its code (those
+    a reload replaced included), and its register function."""
+    given = [function for function, own in _own.items() if own.module == library.module]
+    for function in given:
+        own = _own.pop(function)
+        function.__code__ = own.code
+        function.__defaults__ = own.defaults
+    gate.PAIRS[:] = [pair for pair in gate.PAIRS if pair[0] not in given]
     register = getattr(module, library.register, None)
     if isinstance(register, _RegisterWrapper):
         setattr(module, library.register, register.__wrapped__)

@@ -1,7 +1,8 @@
-"""``bnb_gc_fix.status()``: where the fix stands in this process right now, in one of three words.
+"""``bnb_gc_fix.status()``: where the fix stands in this process right now, as one of three states.
 
-Every fact is read when ``status()`` is called: the libraries imported and their versions, whether the fix
-is in their code now, the modules it covers, torch's counter. It imports nothing and never raises.
+Every fact of the process is read when ``status()`` is called (the libraries imported and their versions,
+whether the fix is in their code now, the modules it covers, torch's counter), beside what the last
+activation decided (``activation.process``). It imports nothing and never raises.
 """
 
 from __future__ import annotations

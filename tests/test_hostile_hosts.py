@@ -128,6 +128,7 @@ import importlib
 import bnb_gc_fix
 import bitsandbytes.nn.parametrize as parametrize
 out = {}
+before = [parametrize._enable_parametrization_cache, parametrize._disable_parametrization_cache]
 if sys.argv[1] == "reload":
     parametrize = importlib.reload(parametrize)
 elif sys.argv[1] == "reimport":
@@ -144,6 +145,9 @@ s = bnb_gc_fix.activate()
 bnb_gc_fix.reset()
 out["activated"] = steps(quantize_with(parametrize))
 out["state"] = bnb_gc_fix.status().state
+bnb_gc_fix.deactivate()  # bitsandbytes' own code back in its functions, those the reload replaced included
+after = [parametrize._enable_parametrization_cache, parametrize._disable_parametrization_cache]
+out["own code"] = [f.__code__.co_filename.endswith("parametrize.py") for f in before + after]
 print(json.dumps(out))
 """
 )
@@ -156,6 +160,7 @@ def test_bitsandbytes_imported_again_gets_the_fix_again(how: str) -> None:
     assert out["after"][0] == "not affected"  # nothing quantized with the new module yet
     assert out["steps"] == [0, 0, 0] and out["activated"] == [0, 0, 0]
     assert out["state"] == "protected"
+    assert out["own code"] == [True] * 4
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (the fix is not in it otherwise)")
@@ -165,6 +170,7 @@ def test_bitsandbytes_imported_again_unseen_reads_unprotected_and_activate_puts_
     assert state == "unprotected" and "no longer the fix's" in reason and "activate()" in reason
     assert out["steps"][-1] > 0  # what "unprotected" means: a module quantized now leaks
     assert out["activated"] == [0, 0, 0] and out["state"] == "protected"
+    assert out["own code"] == [True] * 4
 
 
 LATE = (
