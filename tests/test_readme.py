@@ -6,6 +6,7 @@ commands print now (each run here, in fresh processes)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -85,6 +86,20 @@ def test_the_matrix_table_is_rendered_from_the_committed_results() -> None:
     page = readme_table.MATRIX_PAGE.read_text()
     table = readme_table.render(json.loads(readme_table.MATRIX.read_text()))
     assert table in page, "docs/matrix.md's table is not docs/matrix.json's: run scripts/readme_table.py"
+
+
+def test_the_matrix_check_lets_a_newer_release_resolved_at_run_time_pass_and_nothing_else() -> None:
+    committed = json.loads(readme_table.MATRIX.read_text())
+    floating = next(c for c in committed["cells"] if c["cell"].get("transformers") == "*")
+    newer = copy.deepcopy(committed)
+    worse = copy.deepcopy(committed)
+    for matrix in (newer, worse):
+        cell = next(c for c in matrix["cells"] if c["cell"]["name"] == floating["cell"]["name"])
+        cell["versions"]["transformers"] = "99.0.0"
+    next(c for c in worse["cells"] if c["cell"]["name"] == floating["cell"]["name"])["verdict"] = "FAIL"
+    assert readme_table._table_matches(committed)
+    assert readme_table._table_matches(newer)  # a release published since: same outcomes, no red CI
+    assert not readme_table._table_matches(worse)
 
 
 def test_every_console_block_is_generated() -> None:
