@@ -51,13 +51,19 @@ DISABLE = "_disable_parametrization_cache"  # the plain forward hook: `-= 1`, th
 class Library:
     """A library whose module registers the leaking pair of hooks on the modules it quantizes."""
 
-    __slots__ = ("first_affected", "first_fixed", "module", "name", "quantizer", "register")
+    __slots__ = ("first_affected", "first_fixed", "module_name", "name", "quantizer", "register")
 
     def __init__(
-        self, name: str, module: str, register: str, quantizer: str, first_affected: str, first_fixed: str
+        self,
+        name: str,
+        module_name: str,
+        register: str,
+        quantizer: str,
+        first_affected: str,
+        first_fixed: str,
     ) -> None:
         self.name = name
-        self.module = module  # the name of the module that holds the pair's two functions (ENABLE, DISABLE)
+        self.module_name = module_name  # the module that holds the pair's two functions (ENABLE, DISABLE)
         self.register = register  # the function of that module that registers the pair
         self.quantizer = quantizer  # what users call, which calls `register`
         self.first_affected = first_affected  # the first release that registers the pair
@@ -66,7 +72,7 @@ class Library:
 
 BITSANDBYTES = Library(
     name="bitsandbytes",
-    module="bitsandbytes.nn.parametrize",
+    module_name="bitsandbytes.nn.parametrize",
     register="_register_parametrization_hooks",
     quantizer="replace_parameter_4bit",
     first_affected="0.48.0",
@@ -74,14 +80,14 @@ BITSANDBYTES = Library(
 )
 AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
     name="axolotl",
-    module="axolotl.monkeypatch.moe_quant",
+    module_name="axolotl.monkeypatch.moe_quant",
     register="replace_parameter_8bit",
     quantizer="quantize_moe_experts",
     first_affected="0.15.0",
     first_fixed="0.20.0",
 )
 LIBRARIES = (BITSANDBYTES, AXOLOTL)
-WATCHED = tuple(library.module for library in LIBRARIES)
+WATCHED = tuple(library.module_name for library in LIBRARIES)
 
 #: True once the start-up hook ran in this process (it does not where Python skips `.pth` files).
 started = False

@@ -10,6 +10,7 @@ import _bnb_gc_fix as _startup
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
 from bnb_gc_fix.activation import deactivate
+from bnb_gc_fix.cache import reset
 from bnb_gc_fix.errors import (
     BnbGcFixWarning,
     CacheLeakError,
@@ -19,7 +20,6 @@ from bnb_gc_fix.errors import (
 )
 from bnb_gc_fix.errors import logger as _logger
 from bnb_gc_fix.nets import LeakGuard, guard
-from bnb_gc_fix.repair import repair, reset
 from bnb_gc_fix.status import LibraryStatus, Status, status
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "activate",
     "deactivate",
     "guard",
-    "repair",
     "reset",
     "status",
 ]

@@ -10,13 +10,14 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FunctionType, ModuleType
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import lock, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
-from bnb_gc_fix.releases import MIN_TORCH, affected, release, version_of
+from bnb_gc_fix.lines import message
+from bnb_gc_fix.releases import MIN_TORCH, affected, fixed_upstream, release, version_of
 
 IMPORT = "import bnb_gc_fix"
 STARTUP_HOOK = "the start-up hook"
@@ -35,8 +36,8 @@ class Decision:
 
 
 @dataclass
-class Process:
-    """What activation knows in this process."""
+class Fix:
+    """The fix in this process, as the activations so far left it."""
 
     switch: str | None = None  # BNB_GC_FIX as the last activation read it
     mode: str = startup.AUTO
@@ -48,11 +49,12 @@ class Process:
     warned_switch: bool = False
 
 
-process = Process()
+fix = Fix()
 
 
-def _why_not(library: Library, module: ModuleType) -> str | None:
-    """Why the fix must not go into the library's module (None: it may)."""
+def _why_not(library: Library, module: ModuleType, leaks: bool | None) -> str | None:
+    """Why the fix must not go into the library's module (None: it may); ``leaks``: whether its release
+    leaks this way (None: its version cannot be read)."""
     from bnb_gc_fix import patch  # imports torch, which the library's module has imported
 
     torch = release(version_of("torch"))
@@ -60,8 +62,8 @@ def _why_not(library: Library, module: ModuleType) -> str | None:
         return (
             f"torch {torch} cannot call a forward hook when the forward raises (needs torch >= {MIN_TORCH})"
         )
-    version = version_of(library.name)
-    if process.mode != startup.FORCE and affected(library, version) is None:
+    if fix.mode != startup.FORCE and leaks is None:
+        version = version_of(library.name)
         return (
             f"{library.name}'s version {version!r} cannot be read; {startup.VARIABLE}=force puts the fix in"
         )
@@ -72,43 +74,45 @@ def _decide(library: Library, module: ModuleType) -> None:
     """Put the fix into an imported library module where it is needed and can be."""
     from bnb_gc_fix import patch
 
-    decision = process.decisions[library.name]
+    version = version_of(library.name)
+    leaks = affected(library, version)
+    decision = fix.decisions[library.name]
     decision.decided = True
-    decision.skipped = _why_not(library, module)
+    decision.skipped = _why_not(library, module, leaks)
     if decision.skipped is not None:
         if not decision.warned:
             decision.warned = True
-            warn_quietly(
-                f"bnb-gc-fix is not active for {library.name}: {decision.skipped}", PatchSkippedWarning
-            )
+            said = message(f"bnb-gc-fix is not active for {library.name}:", f"{decision.skipped}.")
+            warn_quietly(said, PatchSkippedWarning)
         return
-    needed = process.mode == startup.FORCE or affected(library, version_of(library.name))
+    needed = fix.mode == startup.FORCE or leaks is True
     if needed:
         patch.apply(module, library)
-        logger.info("the fix is in %s %s (%s)", library.name, version_of(library.name), library.module)
-    decision.patched = bool(needed)
+        logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
+    decision.patched = needed
 
 
 def _imported_whole(library: Library) -> ModuleType | None:
     """The library's module, if it is imported and its code has run to its end."""
-    if library.module in startup.executing:
+    if library.module_name in startup.executing:
         return None
-    return sys.modules.get(library.module)
+    return sys.modules.get(library.module_name)
 
 
 def _read_switch() -> None:
-    process.switch = os.environ.get(startup.VARIABLE)
-    mode = startup.mode_of(process.switch)
-    process.mode = startup.AUTO if mode is None else mode
-    if mode is None and not process.warned_switch:
-        process.warned_switch = True
+    fix.switch = os.environ.get(startup.VARIABLE)
+    mode = startup.mode_of(fix.switch)
+    fix.mode = startup.AUTO if mode is None else mode
+    if mode is None and not fix.warned_switch:
+        fix.warned_switch = True
         accepted = ", ".join(
             "/".join(s or "unset" for s in spellings) for spellings in startup.SPELLINGS.values()
         )
-        message = (
-            f"{startup.VARIABLE}={process.switch!r} is not a known value ({accepted}); behaving as 'auto'"
+        said = message(
+            f"{startup.VARIABLE}={fix.switch!r} is not a known value: behaving as 'auto'.",
+            f"Known values: {accepted}.",
         )
-        warn_quietly(message, SwitchValueWarning)
+        warn_quietly(said, SwitchValueWarning)
 
 
 def activate(via: str = ACTIVATE) -> None:
@@ -117,57 +121,68 @@ def activate(via: str = ACTIVATE) -> None:
     try:
         with lock.held():
             _read_switch()
-            if process.mode == startup.OFF:
+            if fix.mode == startup.OFF:
                 _turn_off(deactivated=False)
                 return
-            process.deactivated = False
-            process.turned_on_by = process.turned_on_by or via
+            fix.deactivated = False
+            fix.turned_on_by = fix.turned_on_by or via
             notebook.install()
             startup.watch()
             for library in LIBRARIES:
                 module = _imported_whole(library)
-                decision = process.decisions[library.name]
+                decision = fix.decisions[library.name]
                 if module is not None:
                     decision.late = decision.late or not decision.decided  # imported before the fix was on
                     _decide(library, module)
     except Exception as error:  # never into the user's import
-        warn_quietly(f"bnb-gc-fix could not turn on: {type(error).__name__}: {error}", PatchSkippedWarning)
+        said = message("bnb-gc-fix could not turn on:", f"{type(error).__name__}: {error}")
+        warn_quietly(said, PatchSkippedWarning)
 
 
 def imported(name: str) -> None:
     """The watcher's word that the module ``name`` has been imported (or imported again): nothing was
     quantized with it yet. Never raises."""
-    library = next((library for library in LIBRARIES if library.module == name), None)
+    library = next((library for library in LIBRARIES if library.module_name == name), None)
     module = sys.modules.get(name)
     if library is None or module is None:
         return
     try:
         with lock.held():
-            if process.turned_on_by is not None:
-                process.decisions[library.name].late = False
+            if fix.turned_on_by is not None:
+                fix.decisions[library.name].late = False
                 _decide(library, module)
     except Exception as error:
-        warn_quietly(
-            f"bnb-gc-fix could not patch {name}: {type(error).__name__}: {error}", PatchSkippedWarning
-        )
+        said = message(f"bnb-gc-fix could not put its fix into {name}:", f"{type(error).__name__}: {error}")
+        warn_quietly(said, PatchSkippedWarning)
 
 
 def deactivate() -> None:
-    """Put every library's own code back; modules the fix took over keep one pair of the library's hooks,
-    registered as the library registers them. ``activate()`` turns the fix on again."""
+    """Put every library's own code back, wherever it is; every module that holds the fix's pair of hooks
+    (those it took over, and their copies) keeps one pair, registered as its library registers it.
+    ``activate()`` turns the fix on again."""
     with lock.held():
         _turn_off(deactivated=True)
 
 
 def _turn_off(deactivated: bool) -> None:
-    for library in LIBRARIES:
-        module = sys.modules.get(library.module)
-        if module is not None and process.decisions[library.name].patched:
-            from bnb_gc_fix import gate, patch  # torch is imported: the library's module imported it
+    patched = [library for library in LIBRARIES if fix.decisions[library.name].patched]
+    if patched:
+        from bnb_gc_fix import gate, patch  # imported when the fix went in
 
-            patch.remove(module, library)
-            gate.let_every_module_go()
-        process.decisions[library.name] = Decision(warned=process.decisions[library.name].warned)
-    process.turned_on_by = None
-    process.deactivated = deactivated
+        gate.let_every_module_go(_marked_by_the_fix(patched))
+        for library in patched:
+            patch.remove(library)
+    for library in LIBRARIES:
+        fix.decisions[library.name] = Decision(warned=fix.decisions[library.name].warned)
+    fix.turned_on_by = None
+    fix.deactivated = deactivated
     notebook.remove()
+
+
+def _marked_by_the_fix(patched: list[Library]) -> list[FunctionType]:
+    """The off-hook functions whose always-called mark on a module can only be the fix's: those of the
+    releases that register their off hook plain (a fixed release, forced, marks its own)."""
+    from bnb_gc_fix import patch
+
+    plain = [library for library in patched if not fixed_upstream(library, version_of(library.name))]
+    return [function for library in plain for function in patch.off_hooks(library)]

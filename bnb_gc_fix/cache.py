@@ -1,4 +1,4 @@
-"""torch's parametrization cache and the fix's holds on it, read and released without importing torch.
+"""torch's parametrization cache, read and released without importing torch; ``bnb_gc_fix.reset()``.
 
 ``P._cache_enabled`` counts the holds on the cache (it is on while the count is not 0, below 0 included)
 and ``P._cache`` keeps what parametrizations compute while it is on. Before torch's parametrize module is
@@ -11,15 +11,6 @@ import sys
 from typing import Any
 
 PARAMETRIZE = "torch.nn.utils.parametrize"
-
-#: What status and the safety nets say of holds on the counter that the fix's hooks did not take.
-UNKNOWN_HOLDS = (
-    "bnb-gc-fix cannot tell whose these holds are (a P.cached() block still open, another thread's forward, "
-    "a forward begun before the fix turned on, or a pair of hooks the fix is not in: bitsandbytes' own where "
-    "the fix is off or not needed); if nothing holds them on purpose, bnb_gc_fix.reset() releases them once "
-    "nothing runs"
-)
-
 
 def parametrize() -> Any:
     """torch's parametrize module, or None while nothing has imported it."""
@@ -41,11 +32,17 @@ def cached_bytes() -> int:
     return sum(v.numel() * v.element_size() for v in values if tensor is not None and isinstance(v, tensor))
 
 
-def release_all() -> int:
-    """Counter to 0 and the cache emptied, whoever holds it; returns how many holds there were."""
-    before = max(counter(), 0)
+def reset() -> int:
+    """``bnb_gc_fix.reset()``: release torch's parametrization cache, whoever switched it on. The counter
+    goes to 0, the cache is emptied, and the fix forgets what its hooks had switched on. Returns the counter
+    as it stood (0 while torch's parametrize module is not imported). Never imports torch."""
     module = parametrize()
-    if module is not None:
-        module._cache_enabled = 0
-        module._cache = {}
+    if module is None:
+        return 0
+    gate = gate_if_imported()
+    if gate is not None:
+        gate.forget_every_hold()
+    before = max(counter(), 0)
+    module._cache_enabled = 0
+    module._cache = {}
     return before

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from _bnb_gc_fix import BITSANDBYTES
+from bnb_gc_fix.cache import reset
 from bnb_gc_fix.installed import try_import
 from bnb_gc_fix.releases import MIN_TORCH, release
-from bnb_gc_fix.repair import reset
 from bnb_gc_fix.status import status
 
 
@@ -39,7 +39,8 @@ class Step:
 @dataclass(frozen=True)
 class CheckResult:
     device: str
-    status_line: str  # status()'s first line while the check's first model was alive: the fix's state for it
+    state: str  # status().state while the check's first model was alive: the fix's state for it
+    status_line: str  # status()'s first line then, as `bnb-gc-fix status` and status() print it
     steps: list[Step] = field(default_factory=list)  # the routers trained alone: the cache after each step
     adapter_steps: int = 0  # the steps that ran with the adapter trained through the experts
     adapter_error: str | None = None  # what stopped them ("CheckpointError: ...")
@@ -72,11 +73,11 @@ def _imports() -> tuple[Any, Any]:
     bitsandbytes, problem = try_import("bitsandbytes")
     if bitsandbytes is None:
         raise CannotRunError(f"{problem}; {_remedy(problem, 'bitsandbytes')}")
-    parametrize, problem = try_import(BITSANDBYTES.module)
+    parametrize, problem = try_import(BITSANDBYTES.module_name)
     if parametrize is None:
         named = f"bitsandbytes {getattr(bitsandbytes, '__version__', '?')}"
         raise CannotRunError(
-            f"{named} has no {BITSANDBYTES.module} ({problem}): it cannot leak this way, and there is "
+            f"{named} has no {BITSANDBYTES.module_name} ({problem}): it cannot leak this way, and there is "
             "nothing to check"
         )
     return torch, parametrize
@@ -127,7 +128,7 @@ def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> Ch
     frozen: list[tuple[int, int, float]] = []
     model = check_model.build(replace_parameter_4bit, device, adapted=False)
     check_model.train(model, device, steps, frozen)
-    status_line = status().state_line()
+    alive = status()
     reset()  # the second run starts clean, whatever the first left
     adapted: list[tuple[int, int, float]] = []
     error = None
@@ -137,4 +138,6 @@ def _train_both_ways(replace_parameter_4bit: Any, device: str, steps: int) -> Ch
     except CheckpointError as failure:
         error = f"CheckpointError: {str(failure).splitlines()[0]}"
     cache_after = [Step(number, *after) for number, after in enumerate(frozen, start=1)]
-    return CheckResult(device, status_line, cache_after, adapter_steps=len(adapted), adapter_error=error)
+    return CheckResult(
+        device, alive.state, alive.state_line(), cache_after, adapter_steps=len(adapted), adapter_error=error
+    )

@@ -10,11 +10,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from _bnb_gc_fix import BITSANDBYTES, LIBRARIES
+from _bnb_gc_fix import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, try_import
+from bnb_gc_fix.lines import labelled, wrap
 from bnb_gc_fix.releases import predates
-from bnb_gc_fix.status import Status, status
+from bnb_gc_fix.status import NOT_AFFECTED, Status, status
 
 EXIT_PROTECTED = 0  # check: no leak, either way
 EXIT_LEAK = 1  # check: the cache stayed switched on, or the adapter's step died with a CheckpointError
@@ -39,7 +40,7 @@ def _import_the_libraries() -> list[str]:
             continue
         top, problem = try_import(library.name)
         if top is not None and not predates(library, version):
-            _, problem = try_import(library.module)
+            _, problem = try_import(library.module_name)
         if problem is not None:
             problems.append(problem)
     return problems
@@ -53,11 +54,18 @@ def _versions() -> dict[str, str | None]:
     }
 
 
-def _header() -> str:
+def _versions_line() -> str:
+    """One line: this package, Python, torch and bitsandbytes (installed or not), and transformers and
+    axolotl where they are installed."""
     versions = _versions()
-    libraries = {name: v for name, v in versions.items() if name not in ("bnb_gc_fix", "python")}
-    named = ", ".join(f"{name} {version or 'not installed'}" for name, version in libraries.items())
-    return f"bnb-gc-fix {__version__} (Python {versions['python']}; installed: {named})"
+    named = [f"Python {versions['python']}"]
+    for name in ("torch", BITSANDBYTES.name, "transformers", AXOLOTL.name):
+        version = versions[name]
+        if version is not None:
+            named.append(f"{name} {version}")
+        elif name in ("torch", BITSANDBYTES.name):
+            named.append(f"{name} not installed")
+    return wrap(f"bnb-gc-fix {__version__}: {', '.join(named)}")
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -66,10 +74,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json({**_versions(), **current.as_dict(), "import_errors": problems})
         return 0
-    print(_header())
-    print(current)
+    print(_versions_line())
+    for line in current.lines(who_turned_it_on=False):  # this command's own import turned the fix on
+        print(line)
     for problem in problems:
-        print(f"import: {problem}")
+        print(labelled("import", problem))
     return 0
 
 
@@ -104,28 +113,39 @@ def _print_check(result: Any, current: Status) -> None:
     torch = getattr(sys.modules.get("torch"), "__version__", None)
     print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {torch}, device {result.device}")
     print(result.status_line)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
-    print(current.fix_line())  # the fix: on or off, and whether the start-up hook ran in this process
+    print(current.fix_line(who_turned_it_on=False))  # this command's own import turned the fix on
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:
         print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
-    print("an adapter trained through the quantized experts:", end=" ")
+    adapter = "an adapter trained through the quantized experts:"
     if result.adapter_error is None:
-        print(f"{result.adapter_steps} steps ran")
+        print(f"{adapter} {result.adapter_steps} steps ran")
     else:
-        print(f"step {result.adapter_steps + 1} died: {result.adapter_error}")
+        print(wrap(f"{adapter} step {result.adapter_steps + 1} died: {result.adapter_error}", indent="  "))
+    print(wrap(_verdict(result), indent="  "))
+
+
+def _verdict(result: Any) -> str:
+    """The check's last line: what it saw, in the state's word."""
+    if result.protected and result.state == NOT_AFFECTED:
+        return (
+            "not affected: this bitsandbytes switched the cache off after every step by itself, and the "
+            "adapter trained; nothing was needed"
+        )
     if result.protected:
-        print("protected: the cache was switched off and empty after every step, and the adapter trained")
-        return
+        return "protected: the cache was switched off and empty after every step, and the adapter trained"
     faces = []
     if result.cache_left_on:
-        faces.append("the cache stayed switched on after a step, so every dequantized weight stays in memory")
+        faces.append(
+            "the cache stayed switched on after a step, so every weight bitsandbytes unpacked stays in memory"
+        )
     if result.adapter_error is not None:
         faces.append(
             "the CheckpointError is the same leak's other face: the recompute started with the cache left on "
             "and saved fewer tensors than the forward did"
         )
-    print(f"LEAK: {'; '.join(faces)}.")
+    return f"LEAK: {'; '.join(faces)}."
 
 
 def _steps(text: str) -> int:

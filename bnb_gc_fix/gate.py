@@ -3,9 +3,10 @@
 A *hold* is one count on torch's counter (``P._cache_enabled``; the cache is on while it is not 0),
 taken by a module's forward pre-hook (:func:`enable_code`) for that module on its thread. The module's
 forward hook (:func:`disable_code`), which torch calls even when the forward raises, gives it back, and the
-cache is emptied when the counter reaches 0. torch calls no hook when a ``BaseException`` (Ctrl-C) leaves a
-forward: such a hold is given back when the module is entered again on its thread, when a safety net's
-span that took it ends, when its thread ends, when the module is collected, or by :func:`reset`.
+cache is emptied when the counter reaches 0. torch calls no forward hook when a ``BaseException`` that is
+not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``) leaves a forward: such a
+hold is given back when the module is entered again on its thread, when a safety net's span that took it
+ends, when its thread ends, when the module is collected, or by ``bnb_gc_fix.reset()``.
 
 Before its first hold a module is *taken over* (:func:`take_over`): the pairs its library registered,
 one per quantized parameter, become one pair whose forward hook torch calls always.
@@ -18,14 +19,14 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from types import FunctionType
 from typing import Any
 
 import torch
 import torch.nn.utils.parametrize as P
 
-from bnb_gc_fix import cache, lock
+from bnb_gc_fix import census, lock
 
 #: Each hold's ticket: a hold taken later has a larger one (a safety net gives back those after its own).
 tickets = itertools.count(1)
@@ -44,7 +45,9 @@ class ThreadHolds(dict[int, int]):
         give_back(count)
         self.clear()
 
-    def __del__(self) -> None:  # its thread ended
+    def __del__(self) -> None:  # its thread ended: a thread that holds nothing touches nothing
+        if not self:
+            return
         try:
             self.give_back_all()
         except Exception:  # at interpreter shutdown, with modules half torn down
@@ -62,8 +65,6 @@ _local = _Local()
 
 #: The modules taken over, by ``id``; an entry goes when its module is collected.
 _taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
-#: For a module taken over whose off hook the fix marked always called, that hook's key (torch's handle id).
-_marked: dict[int, int] = {}
 #: The modules let go when the fix last left: each is taken over again at its next forward with the fix on.
 _let_go: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
@@ -90,7 +91,10 @@ _compiling = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 # --- giving back ---------------------------------------------------------------------------------------
 def give_back(count: int) -> None:
-    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0."""
+    """Take ``count`` holds off torch's counter, never below 0; the cache is emptied at 0. With nothing to
+    give back, torch's counter is neither read nor written."""
+    if count <= 0:
+        return
     remaining = P._cache_enabled - count
     if remaining > 0:
         P._cache_enabled = remaining
@@ -150,13 +154,11 @@ def _fold(module: torch.nn.Module) -> bool:
         del post_hooks[key]
         module._forward_hooks_with_kwargs.pop(key, None)
         always.pop(key, None)
-    key = id(module)
     if not disables:
-        handle = module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
-        _marked[key] = handle.id
+        module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
     elif disables[-1] not in always:
         always[disables[-1]] = True
-        _marked[key] = disables[-1]
+    key = id(module)
     _taken_over[key] = weakref.ref(module)
     collected = weakref.finalize(module, _collected, key)
     collected.atexit = False  # nothing for a module alive at exit, or collected while the interpreter ends
@@ -166,7 +168,6 @@ def _fold(module: torch.nn.Module) -> bool:
 def _collected(key: int) -> None:
     """A module taken over is gone: give back every thread's hold for it."""
     _taken_over.pop(key, None)
-    _marked.pop(key, None)
     for holds in list(_EVERY_THREAD.values()):
         if holds.pop(key, None) is not None:
             give_back(1)
@@ -194,23 +195,24 @@ def number_holding(enable: object) -> int:
     return sum(any(hook is enable for hook in m._forward_pre_hooks.values()) for m in covered())
 
 
-def let_every_module_go() -> None:
-    """The fix is leaving: each module taken over gets its off hook back as its library registered it
-    (plain, where the fix marked it always called), and every module and every hold is forgotten. With
-    the fix on again, a module's next forward takes it over anew."""
-    for key, ref in list(_taken_over.items()):
-        module = ref()
-        marked = _marked.get(key)
-        if module is not None and marked is not None:
-            module._forward_hooks_always_called.pop(marked, None)
-        if module is not None:
-            _let_go.add(module)
+def let_every_module_go(marked_by_the_fix: Collection[FunctionType]) -> None:
+    """The fix is leaving: every module alive in this process that holds one of the fix's off hooks (those
+    taken over, their deep copies, modules loaded from a pickle) gets it back as its library registers it:
+    plain, where ``marked_by_the_fix`` says the library registers it plain and the fix marked it always
+    called. Every module and every hold is then forgotten; with the fix on again, a module's next forward
+    takes it over anew."""
+    off_hooks = [disable for _, disable in PAIRS]
+    for module in census.modules_holding(off_hooks, census.HOOKS):
+        always = module._forward_hooks_always_called
+        for key, hook in list(module._forward_hooks.items()):
+            if key in always and hook in marked_by_the_fix:
+                del always[key]
+        _let_go.add(module)
     _taken_over.clear()
-    _marked.clear()
     forget_every_hold()
 
 
-# --- for the safety nets, repair and reset --------------------------------------------------------------
+# --- for the safety nets, status and reset --------------------------------------------------------------
 def give_back_since(ticket: int) -> int:
     """Give back this thread's holds taken after ``ticket`` (a safety net's own); returns how many."""
     mine = [key for key, taken in list(_local.holds.items()) if taken > ticket]
@@ -229,12 +231,6 @@ def forget_every_hold() -> None:
     """Every thread forgets its holds, giving nothing back (the counter was reset, or the fix is leaving)."""
     for holds in list(_EVERY_THREAD.values()):
         holds.clear()
-
-
-def reset() -> int:
-    """Counter to 0 and the cache emptied, whoever holds it, every hold forgotten; returns the holds."""
-    forget_every_hold()
-    return cache.release_all()
 
 
 # --- the hooks: the code the libraries' two hook functions get (patch.py) ---------------------------------

@@ -3,9 +3,11 @@
 A net spans a training step (``guard()``, the Trainer callback) or a notebook cell, on one thread. What it
 gives back when its span ends are the holds that the fix's hooks took on that thread inside the span and
 that are still held: every call that started there has returned or unwound by then, so those holds were
-left by a ``KeyboardInterrupt``. Nothing else is given back: another thread's holds, ``P.cached()``
-blocks, bitsandbytes' own hooks (the fix off, or 0.50's), holds older than the span. Where the counter
-still stands above where it stood when the span began, the net reports it, with what to do.
+left by a ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``,
+``GeneratorExit``), for which torch runs no forward hook. Nothing else is given back: another thread's
+holds, ``P.cached()`` blocks, bitsandbytes' own hooks (the fix off, or 0.50's), holds older than the span.
+Where the counter still stands above where it stood when the span began, the net reports it, with what
+to do.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from types import TracebackType
 
 from bnb_gc_fix import cache
 from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
+from bnb_gc_fix.lines import NOT_THE_FIXS, message
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Span:
 class Ending:
     """What a net found when its span ended."""
 
-    given_back: int  # holds the fix's hooks took in the span on this thread, left by a KeyboardInterrupt
+    given_back: int  # holds the fix's hooks took in the span on this thread, left by a BaseException
     left: int  # how far the counter still stands above where it stood when the span began
     cached_bytes: int  # what the cache held before anything was given back
 
@@ -53,26 +56,27 @@ class Ending:
     def clean(self) -> bool:
         return self.given_back == 0 and self.left == 0
 
-    def report(self, where: str) -> str:
-        """The report of a span that did not end clean, in words the user can act on."""
+    def report(self, who: str, where: str) -> str:
+        """The report of a span that did not end clean, in words the user can act on, in lines of at most
+        100 characters: ``who`` said what ``where`` (the step, this cell) left."""
         parts = []
         if self.given_back:
             parts.append(
-                f"gave back {self.given_back} holds on torch's parametrization cache that forwards left "
-                f"during {where} ({self.cached_bytes} bytes cached): a KeyboardInterrupt stopped them, and "
-                "torch runs no forward hook then"
+                f"{self.given_back} forwards switched the cache on in {where} and were stopped before they "
+                "switched it off (by KeyboardInterrupt, SystemExit or another BaseException that is not an "
+                "Exception: torch runs no forward hook then). The fix switched it off for them (the cache "
+                f"held {self.cached_bytes} bytes)."
             )
         if self.left:
             parts.append(
-                f"torch's parametrization-cache counter stays {self.left} above where it was when {where} "
-                f"began, and {cache.UNKNOWN_HOLDS}"
+                f"The counter stays {self.left} above where it was when {where} began: {NOT_THE_FIXS}"
             )
-        return "; ".join(parts) + "."
+        return message(f"{who}: {where} left torch's parametrization cache switched on.", " ".join(parts))
 
     def tell(self, who: str, where: str, strict: bool) -> None:
         """Log the report and warn (a :class:`CacheLeakWarning`); with ``strict``, raise a
-        :class:`CacheLeakError` instead where holds stay."""
-        message = f"{who}: " + self.report(where)
+        :class:`CacheLeakError` instead where the counter stays above where it was."""
+        message = self.report(who, where)
         logger.warning("%s", message)
         if strict and self.left:
             raise CacheLeakError(message, self.left, self.cached_bytes)

@@ -1,4 +1,4 @@
-"""The cell-end release: in IPython and Jupyter, what a cell's Ctrl-C left switched on is given back.
+"""The cell-end release: in IPython and Jupyter, what a cell's Ctrl-C left switched on is switched off.
 
 A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, where torch runs no forward hook.
 Each cell is a safety net's span (:mod:`bnb_gc_fix.nets`), from IPython's ``pre_run_cell`` event to its
@@ -74,7 +74,7 @@ def _after_cell(result: Any = None) -> None:
             return
         ending = span.end()
         if not ending.clean:
-            message = "bnb_gc_fix: " + ending.report("this cell")
+            message = ending.report("bnb_gc_fix", "this cell")
             logger.warning("%s", message)
             print(message, file=sys.stderr, flush=True)
     except Exception as error:

@@ -3,7 +3,9 @@
 The module's two hook functions keep their identity, so a pickle names them as before and every module
 that holds them, registered before the fix turned on or after, runs the fix: what changes is their code
 (``__code__`` and ``__defaults__``, which Python lets a program replace) for the gate's. The register
-function is wrapped (wrapt), so that each module it quantizes is taken over at once.
+function is wrapped (wrapt), so that each module it quantizes is taken over at once. Everything changed is
+recorded here, so that :func:`remove` puts it back wherever it is now: a module imported again, or one no
+longer in ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ _GATE_FUNCTIONS = {ENABLE: gate.enable_code, DISABLE: gate.disable_code}
 class _Own(NamedTuple):
     """What a hook function given the gate's code had of its own, to put back."""
 
-    module: str  # the library module it was given the gate's code in (Library.module)
+    module_name: str  # the library module it was given the gate's code in (Library.module_name)
     code: CodeType
     defaults: Any
 
 
 #: Each hook function given the gate's code; one a reload of its module replaced stays until removed.
 _own: dict[FunctionType, _Own] = {}
+#: By library module name, each module object whose register function the fix wrapped.
+_wrapped: dict[str, list[ModuleType]] = {}
 
 
 class _RegisterWrapper(wrapt.FunctionWrapper):  # type: ignore[type-arg]
@@ -57,16 +61,16 @@ def unexpected(module: ModuleType, library: Library) -> str | None:
     for name, gate_function in _GATE_FUNCTIONS.items():
         function = getattr(module, name, None)
         if not isinstance(function, FunctionType):
-            return f"{library.module}.{name} is not a Python function"
+            return f"{library.module_name}.{name} is not a Python function"
         bound = len(gate_function.__defaults__ or ())  # the names the gate's code binds, after torch's
         expected = gate_function.__code__.co_argcount - bound
         code = _own_code(function)
         starred = code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
         plain = code.co_kwonlyargcount == 0 and not starred
         if function.__closure__ or code.co_argcount != expected or not plain:
-            return f"{library.module}.{name} does not take the {expected} arguments torch gives a hook"
+            return f"{library.module_name}.{name} does not take the {expected} arguments torch gives a hook"
     if not callable(getattr(module, library.register, None)):
-        return f"{library.module} has no {library.register}()"
+        return f"{library.module_name} has no {library.register}()"
     return None
 
 
@@ -74,7 +78,7 @@ def apply(module: ModuleType, library: Library) -> None:
     """Give the module's hook functions the gate's code, and wrap its register function (once)."""
     functions = [getattr(module, name) for name in _GATE_FUNCTIONS]
     for function, gate_function in zip(functions, _GATE_FUNCTIONS.values()):
-        _own.setdefault(function, _Own(library.module, function.__code__, function.__defaults__))
+        _own.setdefault(function, _Own(library.module_name, function.__code__, function.__defaults__))
         function.__code__ = gate_function.__code__
         function.__defaults__ = gate_function.__defaults__
     pair = (functions[0], functions[1])
@@ -83,20 +87,30 @@ def apply(module: ModuleType, library: Library) -> None:
     register = getattr(module, library.register)
     if not isinstance(register, _RegisterWrapper):
         setattr(module, library.register, _RegisterWrapper(register, _take_over_what_it_registered))
+        _wrapped.setdefault(library.module_name, []).append(module)
 
 
-def remove(module: ModuleType, library: Library) -> None:
-    """Put the library's own code back into every hook function of its module the fix gave its code (those
-    a reload replaced included), and its register function."""
-    given = [function for function, own in _own.items() if own.module == library.module]
+def off_hooks(library: Library) -> list[FunctionType]:
+    """The library's off-hook functions (DISABLE) that the fix gave its code, those a reload replaced
+    included."""
+    functions = [function for function, own in _own.items() if own.module_name == library.module_name]
+    return [function for function in functions if function.__name__ == DISABLE]
+
+
+def remove(library: Library) -> None:
+    """Put the library's own code back into every hook function the fix gave its code (those a reload
+    replaced included), and its own register function into every module object the fix wrapped it in
+    (one no longer in ``sys.modules`` included)."""
+    given = [function for function, own in _own.items() if own.module_name == library.module_name]
     for function in given:
         own = _own.pop(function)
         function.__code__ = own.code
         function.__defaults__ = own.defaults
     gate.PAIRS[:] = [pair for pair in gate.PAIRS if pair[0] not in given]
-    register = getattr(module, library.register, None)
-    if isinstance(register, _RegisterWrapper):
-        setattr(module, library.register, register.__wrapped__)
+    for module in _wrapped.pop(library.module_name, []):
+        register = getattr(module, library.register, None)
+        if isinstance(register, _RegisterWrapper):
+            setattr(module, library.register, register.__wrapped__)
 
 
 def is_applied(module: ModuleType) -> bool:

@@ -1,8 +1,9 @@
 """``bnb_gc_fix.status()``: where the fix stands in this process right now, as one of three states.
 
 Every fact of the process is read when ``status()`` is called (the libraries imported and their versions,
-whether the fix is in their code now, the modules it covers, torch's counter), beside what the last
-activation decided (``activation.process``). It imports nothing and never raises.
+whether the fix is in their code now, the modules quantized with them, torch's counter), beside what the
+activations decided (``activation.fix``). It imports nothing and never raises. One situation has
+one state, whatever the switch says: a state says whether code that leaks this way is in use here.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
-from bnb_gc_fix import activation, cache, releases
+from bnb_gc_fix import activation, cache, census, releases
+from bnb_gc_fix.lines import NOT_THE_FIXS, labelled
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
-UNPROTECTED = "unprotected"  # code that leaks this way is in use here, and the fix is not in it
-PROTECTED = "protected"  # modules quantized by an affected library hold the fix's hooks
-NOT_AFFECTED = "not affected"  # nothing here uses code that leaks this way, so far
+UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's code, the fix not in it
+PROTECTED = "protected"  # the fix covers the modules quantized here with a leaking library's code
+NOT_AFFECTED = "not affected"  # nothing here is quantized with code that leaks this way, so far
 STATES = (UNPROTECTED, PROTECTED, NOT_AFFECTED)
 
 
@@ -31,7 +33,7 @@ class LibraryStatus:
     affected: bool | None  # its release registers the leaking pair (None: not imported, or unreadable)
     state: str  # one of STATES
     reason: str  # why, and what to do, in a sentence
-    covered: int  # the modules it quantized that hold the fix's hooks
+    covered: int  # the modules quantized with it that the fix covers
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Status:
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
-    held_by_the_fix: int  # how many of the counter's holds the fix's hooks keep
+    held_by_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
 
     @property
     def worst(self) -> LibraryStatus:
@@ -77,57 +79,50 @@ class Status:
     def library(self, name: str) -> LibraryStatus:
         return next(library for library in self.libraries if library.name == name)
 
-    def lines(self) -> list[str]:
-        """What ``bnb-gc-fix status`` and ``print(status())`` show, a fact a line."""
-        lines = [self.state_line(), self.fix_line()]
-        lines.append(f"cache: {self._cache_text()}")
-        lines += [_library_text(library) for library in self.libraries]
+    def lines(self, who_turned_it_on: bool = True) -> list[str]:
+        """What ``print(status())`` shows: state, fix, cache, and another library only where one is
+        imported beside the one the state comes from. ``who_turned_it_on=False``: ``bnb-gc-fix``'s own
+        process, where the command itself turned the fix on."""
+        lines = [self.state_line(), self.fix_line(who_turned_it_on), self.cache_line()]
+        others = [lib for lib in self.libraries if lib.version is not None and lib is not self.worst]
+        lines += [labelled(f"{lib.name} {lib.version}", f"{lib.state}: {lib.reason}") for lib in others]
         return lines
 
     def state_line(self) -> str:
-        return f"state: {self.state}: {self.reason}"
+        return labelled("state", f"{self.state}: {self.reason}")
 
-    def fix_line(self) -> str:
-        return f"fix:   {self._fix_text()}"
-
-    def _fix_text(self) -> str:
+    def fix_line(self, who_turned_it_on: bool = True) -> str:
         switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
         if self.turned_on_by is None:
             text = f"off ({switch})"
-        else:
+        elif who_turned_it_on:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
-        if self.start_up_hook_ran:
-            return text + "; the start-up hook ran in this process"
-        return text + (
-            "; the start-up hook did not run in this process (installed outside site-packages, or "
-            "python -S): a process here that never imports bnb_gc_fix gets no fix (docs/reference.md: "
-            "where the start-up hook cannot run)"
-        )
+        else:
+            text = f"on ({switch})"
+        return labelled("fix", text + self._start_up_hook_text())
 
-    def _cache_text(self) -> str:
+    def _start_up_hook_text(self) -> str:
+        if not self.start_up_hook_ran:
+            return (
+                "; the start-up hook did not run in this process, so a process here that never imports "
+                "bnb_gc_fix gets no fix (docs/reference.md: where the start-up hook cannot run)"
+            )
+        if self.turned_on_by == activation.STARTUP_HOOK:
+            return ""  # said already
+        return "; the start-up hook ran in this process"
+
+    def cache_line(self) -> str:
         if self.counter is None:
-            return "torch's parametrization module is not imported"
-        text = f"counter {self.counter}, {self.cache_bytes} bytes"
+            return labelled("cache", "not in use (torch's parametrize module is not imported)")
+        switched = "on" if self.counter else "off"
+        text = f"{switched}, counter {self.counter}, {self.cache_bytes} bytes"
         others = self.counter - self.held_by_the_fix
         if others > 0:
-            text += f"; {others} holds not taken by the fix's hooks: {cache.UNKNOWN_HOLDS}"
-        return text
+            text += f"; {others} of the counter's switch-ons are not the fix's own forwards: {NOT_THE_FIXS}"
+        return labelled("cache", text)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
-
-
-def _library_text(library: LibraryStatus) -> str:
-    if library.version is None:
-        return f"{library.name}: not imported here"
-    facts = {lib.name: lib for lib in LIBRARIES}[library.name]
-    leaking = f"{facts.first_affected} to before {facts.first_fixed}"
-    release = {
-        True: f"a release that leaks this way without the fix ({leaking})",
-        False: f"a release that does not leak this way (those from {leaking} do)",
-        None: "a release whose version cannot be read",
-    }[library.affected]
-    return f"{library.name} {library.version}: {release}; here: {library.state}"
 
 
 def _held_by_the_fix() -> int:
@@ -137,99 +132,113 @@ def _held_by_the_fix() -> int:
 
 def _applied(library: Library) -> bool:
     patch = sys.modules.get("bnb_gc_fix.patch")
-    module = sys.modules.get(library.module)
+    module = sys.modules.get(library.module_name)
     return patch is not None and module is not None and bool(patch.is_applied(module))
 
 
+def _enable(library: Library) -> object:
+    """The library's pre-hook function as its module has it now (None: the module is not imported)."""
+    return getattr(sys.modules.get(library.module_name), startup.ENABLE, None)
+
+
 def _covered(library: Library) -> int:
-    """The modules that hold the library's hook functions, with the fix's code in them, and that the fix
-    took over (or takes over again at their next forward)."""
+    """The modules quantized with the library that the fix took over (or takes over again at their next
+    forward), while the fix is in the library's code."""
     gate = cache.gate_if_imported()
-    enable = getattr(sys.modules.get(library.module), startup.ENABLE, None)
+    enable = _enable(library)
     if gate is None or enable is None or not _applied(library):
         return 0
     return int(gate.number_holding(enable))
 
 
-def _where_the_fix_is(library: Library, named: str) -> tuple[str, str]:
-    """The state and reason of an affected library whose module the fix went into."""
-    if not _applied(library):
-        return UNPROTECTED, (
-            f"the functions of {library.module} are no longer the fix's (the module was imported again, or "
-            "something replaced them): modules quantized from now on leak; bnb_gc_fix.activate() puts it back"
-        )
-    covered = _covered(library)
-    late = ""
-    if activation.process.decisions[library.name].late:
-        late = (
-            f"; {library.module} was imported before the fix turned on: modules quantized before then "
-            "are taken over at their next forward"
-        )
-    if covered:
-        return PROTECTED, f"{covered} modules quantized with {library.quantizer} hold the fix's hooks{late}"
-    linear = ""
+def _quantized_with(library: Library) -> int:
+    """The modules alive that hold the library's pre-hook function now (read from every object: called only
+    where the fix does not keep count of them)."""
+    enable = _enable(library)
+    return 0 if enable is None else len(census.modules_holding([enable], census.PRE_HOOKS))
+
+
+def _nothing_quantized(library: Library) -> str:
+    said = f"nothing here has quantized weights with {library.quantizer} so far"
     if library is BITSANDBYTES:
-        linear = (
-            " (a model quantized by BitsAndBytesConfig alone holds Linear4bit layers, which never use "
-            "torch's parametrization cache)"
-        )
-    return NOT_AFFECTED, (
-        f"the fix is in {named}, but no module has been quantized with {library.quantizer} here so far"
-        f"{linear}{late}"
-    )
-
-
-def _library_state(library: Library, version: str | None, affected: bool | None) -> tuple[str, str]:
-    named = f"{library.name} {version}"
-    if version is None:
-        return NOT_AFFECTED, f"{library.name} is not imported in this process"
-    if affected is False and not activation.process.decisions[library.name].patched:
-        return NOT_AFFECTED, _not_leaking(library, named, version)
-    if activation.process.turned_on_by is None:
-        switch = f"{startup.VARIABLE}={activation.process.switch!r}"
-        why = "deactivate()" if activation.process.deactivated else switch
-        return UNPROTECTED, f"the fix is off ({why} switched it off), and {named} leaks this way"
-    return _while_on(library, named)
+        said += " (BitsAndBytesConfig's Linear4bit layers never use the cache)"
+    return said
 
 
 def _not_leaking(library: Library, named: str, version: str) -> str:
-    leaking = f"releases from {library.first_affected} to before {library.first_fixed} do"
-    said = f"{named} does not leak this way ({leaking})"
+    said = f"{named} does not leak this way (those from {library.first_affected} to before "
+    said += f"{library.first_fixed} do): nothing to fix"
     if not releases.fixed_upstream(library, version):
         return said
     return (
-        f"{said}; what a Ctrl-C inside a forward leaves is only pointed out here (by the safety nets); "
-        f"{startup.VARIABLE}=force puts the fix in, which gives it back, and pip uninstall bnb-gc-fix "
+        f"{said}. What a Ctrl-C inside a forward leaves on is only reported here (by the safety nets); "
+        f"{startup.VARIABLE}=force puts the fix in, which switches it off; pip uninstall bnb-gc-fix "
         "removes the package"
     )
 
 
-def _while_on(library: Library, named: str) -> tuple[str, str]:
-    """The state of an affected library's module (or a forced one) while the fix is on."""
-    decision = activation.process.decisions[library.name]
+def _why_the_fix_is_not_in(library: Library) -> str:
+    """Why the fix is not in the library's code now, and what puts it in."""
+    fix = activation.fix
+    decision = fix.decisions[library.name]
+    if fix.turned_on_by is None:
+        if fix.deactivated:
+            return "the fix is off (deactivate() switched it off; bnb_gc_fix.activate() switches it on)"
+        return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
     if decision.skipped is not None:
-        return UNPROTECTED, f"the fix could not be put in: {decision.skipped}"
-    if sys.modules.get(library.module) is None:
-        return NOT_AFFECTED, (
-            f"{library.module} is not imported, so nothing here has quantized a module with "
-            f"{library.quantizer}; the fix goes in the moment it is imported"
-        )
+        return f"the fix could not be put in: {decision.skipped}"
     if not decision.decided:
-        return UNPROTECTED, (
-            f"{library.module} was imported without bnb-gc-fix seeing it (an import hook in front of its "
-            "own answered for it): import bnb_gc_fix before that hook is installed, or call "
-            "bnb_gc_fix.activate()"
+        return (
+            f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
+            "of its own): import bnb_gc_fix before that hook is installed, or call bnb_gc_fix.activate()"
         )
-    if releases.affected(library, releases.version_of(library.name)) is False:
-        named += f" ({startup.VARIABLE}=force)"
-    return _where_the_fix_is(library, named)
+    return (
+        f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
+        "bnb_gc_fix.activate() puts the fix back in"
+    )
+
+
+def _where_the_fix_is_not(library: Library) -> tuple[str, str, int]:
+    why = _why_the_fix_is_not_in(library)
+    leaking = _quantized_with(library)
+    if leaking:
+        return UNPROTECTED, f"{leaking} modules quantized with {library.quantizer} leak this way: {why}", 0
+    return NOT_AFFECTED, f"{_nothing_quantized(library)}. Weights quantized that way would leak: {why}", 0
+
+
+def _where_the_fix_is(library: Library) -> tuple[str, str, int]:
+    covered = _covered(library)
+    if covered == 0 and activation.fix.decisions[library.name].late:
+        covered = _quantized_with(
+            library
+        )  # quantized before the fix turned on: covered at their next forward
+    if covered:
+        return (
+            PROTECTED,
+            f"the fix covers the {covered} modules quantized here with {library.quantizer}",
+            covered,
+        )
+    return NOT_AFFECTED, _nothing_quantized(library), 0
+
+
+def _library_state(library: Library, version: str | None) -> tuple[str, str, int]:
+    """The library's state, why, and how many modules quantized with it the fix covers."""
+    if version is None:
+        return NOT_AFFECTED, f"{library.name} is not imported in this process", 0
+    named = f"{library.name} {version}"
+    if releases.affected(library, version) is False and not activation.fix.decisions[library.name].patched:
+        return NOT_AFFECTED, _not_leaking(library, named, version), 0
+    if sys.modules.get(library.module_name) is None:
+        return NOT_AFFECTED, _nothing_quantized(library), 0
+    if _applied(library):
+        return _where_the_fix_is(library)
+    return _where_the_fix_is_not(library)
 
 
 def _library_status(library: Library) -> LibraryStatus:
     version = releases.version_of(library.name)
     affected = None if version is None else releases.affected(library, version)
-    state, reason = _library_state(library, version, affected)
-    covered = _covered(library)
+    state, reason, covered = _library_state(library, version)
     return LibraryStatus(library.name, version, affected, state, reason, covered)
 
 
@@ -240,8 +249,8 @@ def status() -> Status:
     libraries = tuple(_library_status(library) for library in LIBRARIES)
     return Status(
         libraries=libraries,
-        turned_on_by=activation.process.turned_on_by,
-        switch=activation.process.switch,
+        turned_on_by=activation.fix.turned_on_by,
+        switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
         counter=counter,
         cache_bytes=cache_bytes,

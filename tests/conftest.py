@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
+import time
 import venv
 from dataclasses import dataclass
 from importlib import metadata
@@ -141,6 +146,108 @@ def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
     return env
 
 
+# --- where a scenario runs ---------------------------------------------------------------------------
+# Every scenario runs in a process of its own whose global state is pristine. By default that process is
+# forked from a warm parent (tests/warm_parent.py: torch, bitsandbytes and transformers imported once per
+# test worker, the package not). A scenario that only a fresh interpreter can show (interpreter start,
+# import order, Python's options, another executable or PYTHONPATH) runs in one, and says why:
+# run_python(..., fresh="why").
+
+WARM_PARENT = Path(__file__).resolve().parent / "warm_parent.py"
+# Environment variables read while an interpreter starts or imports torch, bitsandbytes or transformers:
+# a scenario that sets one of them otherwise than the warm parent's environment needs a fresh interpreter.
+_READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "LD_", "HF_")
+_READ_AT_START += ("TRANSFORMERS", "TOKENIZERS", "BNB_")
+
+
+def _read_at_start(name: str) -> bool:
+    if name == "BNB_GC_FIX" or name.startswith("BNB_GC_FIX_"):
+        return False
+    return name.startswith(_READ_AT_START)
+
+
+class WarmParent:
+    """This test worker's warm parent, started at its first scenario and ended with the worker."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.folder = Path(tempfile.mkdtemp(prefix="bnb-gc-fix-warm-"))
+        requests_read, requests_write = os.pipe()
+        replies_read, replies_write = os.pipe()
+        self.log = open(self.folder / "parent.log", "w")  # noqa: SIM115 (open as long as the parent runs)
+        self.process = subprocess.Popen(
+            [sys.executable, str(WARM_PARENT), str(requests_read), str(replies_write)],
+            pass_fds=(requests_read, replies_write),
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=self.log,
+        )
+        os.close(requests_read)
+        os.close(replies_write)
+        self.requests = os.fdopen(requests_write, "w", buffering=1)
+        self.replies = replies_read
+        self.pending = b""
+        self.scenarios = 0
+
+    def differs_at_start(self, env: dict[str, str]) -> list[str]:
+        """The variables read at start that ``env`` sets otherwise than this parent's environment."""
+        names = set(env) | set(self.env)
+        return sorted(name for name in names if _read_at_start(name) and env.get(name) != self.env.get(name))
+
+    def _reply(self, timeout: float) -> dict[str, Any] | None:
+        """The parent's next reply, or None when ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.replies], [], [], left)[0]:
+                return None
+            chunk = os.read(self.replies, 65536)
+            if not chunk:
+                raise RuntimeError(f"the warm parent ended:\n{(self.folder / 'parent.log').read_text()}")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"the warm parent cannot serve: {reply['error']}")
+        return reply
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path | str, timeout: float) -> Run:
+        self.scenarios += 1
+        out = self.folder / f"{self.scenarios}.out"
+        err = self.folder / f"{self.scenarios}.err"
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdout": str(out), "stderr": str(err)}
+        self.requests.write(json.dumps(request) + "\n")
+        started = self._reply(timeout=600)  # the parent's own start, at the first scenario
+        if started is None:
+            raise RuntimeError(f"the warm parent did not answer:\n{(self.folder / 'parent.log').read_text()}")
+        ended = self._reply(timeout)
+        if ended is None:
+            os.killpg(started["pid"], signal.SIGKILL)
+            self._reply(timeout=60)
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+        return Run(ended["returncode"], out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.requests.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_warm: list[WarmParent] = []
+
+
+def warm_parent() -> WarmParent:
+    """This worker's warm parent, started with the environment a scenario gets by default (the switch
+    off: its start-up hook does nothing)."""
+    if not _warm:
+        _warm.append(WarmParent(environment("0")))
+        atexit.register(_warm[0].close)
+    return _warm[0]
+
+
 def run_python(
     args: list[str],
     switch: str | None = None,
@@ -148,15 +255,25 @@ def run_python(
     timeout: float = 300,
     cwd: Path | None = None,
     executable: str = sys.executable,
+    fresh: str | None = None,
 ) -> Run:
-    """Run ``python ARGS`` in a fresh interpreter with BNB_GC_FIX set to ``switch`` (None: unset)."""
+    """Run ``python ARGS`` in a process of its own with BNB_GC_FIX set to ``switch`` (None: unset): forked
+    from the warm parent, or, where ``fresh`` says why, a fresh interpreter. ``ARGS`` that a warm parent
+    cannot run (an option before the code, another executable, another PYTHONPATH) need ``fresh``."""
+    env = env if env is not None else environment(switch)
+    cwd = cwd or Path(os.environ.get("BNB_GC_FIX_TEST_AGAINST") or ROOT)  # `-c` puts the folder first
+    if fresh is None:
+        parent = warm_parent()
+        unlike = parent.differs_at_start(env)
+        runnable = args[:1] == ["-c"] or (bool(args) and not args[0].startswith("-"))
+        if executable != sys.executable or unlike or not runnable:
+            raise ValueError(
+                f"a warm parent cannot run {[executable, *args][:3]} (environment read at start: {unlike}): "
+                "say why this scenario needs a fresh interpreter, run_python(..., fresh='why')"
+            )
+        return parent.run(args, env, cwd, timeout)
     completed = subprocess.run(
-        [executable, *args],
-        env=env if env is not None else environment(switch),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd or os.environ.get("BNB_GC_FIX_TEST_AGAINST") or ROOT,  # `-c` puts the folder first
+        [executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
     return Run(completed.returncode, completed.stdout, completed.stderr)
 

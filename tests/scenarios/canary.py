@@ -212,7 +212,7 @@ def _bitsandbytes() -> None:
 
     group = FACTS["bitsandbytes"]
     group["version"] = getattr(bitsandbytes, "__version__", None)
-    group["target_module"] = target.module == bnb.__name__
+    group["target_module"] = target.module_name == bnb.__name__
 
     @fact("bitsandbytes", "functions")
     def _functions() -> Any:
