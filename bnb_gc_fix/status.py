@@ -160,6 +160,9 @@ def _quantized_with(library: Library) -> int:
 
 def _nothing_quantized(library: Library) -> str:
     said = f"nothing here has quantized weights with {library.quantizer} so far"
+    version = releases.version_of(library.name)
+    if releases.affected(library, version):
+        said = f"{library.name} {version} leaks this way, but {said}"
     if library is BITSANDBYTES:
         said += " (BitsAndBytesConfig's Linear4bit layers never use the cache)"
     return said

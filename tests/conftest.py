@@ -7,6 +7,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -20,7 +21,7 @@ import venv
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import pytest
 from packaging.version import Version
@@ -132,6 +133,11 @@ class Run:
         )
 
 
+def unwrapped(text: str) -> str:
+    """What the package printed, its wrapped lines joined: each run of whitespace one space."""
+    return " ".join(text.split())
+
+
 def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "BNB_GC_FIX"}
     env.pop("PYTHONPATH", None)
@@ -174,7 +180,7 @@ class WarmParent:
         self.folder = Path(tempfile.mkdtemp(prefix="bnb-gc-fix-warm-"))
         requests_read, requests_write = os.pipe()
         replies_read, replies_write = os.pipe()
-        self.log = open(self.folder / "parent.log", "w")  # noqa: SIM115 (open as long as the parent runs)
+        self.log = open(self.folder / "parent.log", "w")  # open as long as the parent runs
         self.process = subprocess.Popen(
             [sys.executable, str(WARM_PARENT), str(requests_read), str(replies_write)],
             pass_fds=(requests_read, replies_write),
@@ -278,6 +284,29 @@ def run_python(
     return Run(completed.returncode, completed.stdout, completed.stderr)
 
 
+# --- a run several tests read -------------------------------------------------------------------------
+# A control that does not depend on a test's parameters runs once per test run, whichever worker asks
+# first; the others wait for it and read its result (xdist's workers share PYTEST_XDIST_TESTRUNUID).
+
+_SHARED = (
+    Path(tempfile.gettempdir())
+    / f"bnb-gc-fix-shared-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
+)
+
+
+def shared(name: str, make: Callable[[], Run]) -> Run:
+    """``make()``'s Run, made once per test run under ``name`` and read by every test that asks."""
+    _SHARED.mkdir(exist_ok=True)
+    result = _SHARED / f"{name}.json"
+    with open(_SHARED / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            made = make()
+            result.write_text(json.dumps([made.returncode, made.stdout, made.stderr]))
+    returncode, stdout, stderr = json.loads(result.read_text())
+    return Run(returncode, stdout, stderr)
+
+
 # Removes the start-up hook's watcher so a snippet exercises `import bnb_gc_fix` on its own.
 WITHOUT_STARTUP_HOOK = """
 import sys, _bnb_gc_fix
@@ -304,7 +333,8 @@ def run_code(
     check: bool = True,
     **kwargs: Any,
 ) -> Run:
-    """Run a snippet in a fresh interpreter, with BNB_GC_FIX set to ``switch`` (None: unset).
+    """Run a snippet in a process of its own (see run_python), with BNB_GC_FIX set to ``switch`` (None:
+    unset).
 
     The snippet is dedented and starts with the named ``prelude`` (one of PRELUDES; None: none); ``argv``
     is its ``sys.argv[1:]``, the one way a test passes it values. With ``check`` (the default) a snippet
@@ -318,7 +348,7 @@ def run_code(
     return result
 
 
-# `bnb-gc-fix` commands run one after another in one fresh interpreter: each is the console
+# `bnb-gc-fix` commands run one after another in one process of their own: each is the console
 # script's main() with its stdout and stderr captured, and its exit code. A command leaves nothing
 # behind that changes the next one's answer (each imports what it needs again, and a failed import
 # is tried afresh), so one interpreter answers for several commands.
@@ -335,20 +365,39 @@ print("CLI_CALLS " + json.dumps([call(args) for args in CALLS]))
 """
 
 
+def _parsed(result: Run) -> list[tuple[int, str, str]]:
+    line = next(line for line in result.stdout.splitlines() if line.startswith("CLI_CALLS "))
+    return [(code, out, err) for code, out, err in json.loads(line[len("CLI_CALLS ") :])]
+
+
 def cli_calls(
     *calls: list[str], setup: str = "", switch: str | None = None, **kwargs: Any
 ) -> list[tuple[int, str, str]]:
-    """``bnb-gc-fix ARGS`` for each of ``calls``, in one fresh interpreter after the code ``setup``:
+    """``bnb-gc-fix ARGS`` for each of ``calls``, in one process of their own after the code ``setup``:
     ``(exit code, stdout, stderr)`` each."""
-    result = run_code(setup + _CLI_CALLS, json.dumps(calls), switch=switch, **kwargs)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("CLI_CALLS "))
-    return [(code, out, err) for code, out, err in json.loads(line[len("CLI_CALLS ") :])]
+    return _parsed(run_code(setup + _CLI_CALLS, json.dumps(calls), switch=switch, **kwargs))
+
+
+def command(*args: str, switch: str | None = None) -> tuple[int, str, str]:
+    """``bnb-gc-fix ARGS`` with BNB_GC_FIX set to ``switch``, as the console script runs it: ``(exit code,
+    stdout, stderr)``, made once per test run for each (ARGS, switch) and read by every test that asks
+    (the check's runs: test_command_line's and the README's console block)."""
+    name = "command " + " ".join([f"BNB_GC_FIX={switch}" if switch is not None else "", *args]).strip()
+    name = re.sub(r"[^\w.=-]+", "_", name)
+    [called] = _parsed(shared(name, lambda: run_code(_CLI_CALLS, json.dumps([list(args)]), switch=switch)))
+    return called
 
 
 def tiny_olmoe(*flags: str, switch: str | None = None, **kwargs: Any) -> Run:
     result = run_python([str(TINY_OLMOE), *flags], switch=switch, **kwargs)
     assert result.returncode == 0, f"tiny_olmoe failed:\n{result.stdout}\n{result.stderr}"
     return result
+
+
+def tiny_olmoe_control() -> Run:
+    """The tiny OLMoE, 5 steps, the package imported and switched off: the one control run of the bug
+    report's reproduction, read by every test that compares with it."""
+    return shared("tiny-olmoe-control", lambda: tiny_olmoe("--steps", "5", "--import-fix", switch="0"))
 
 
 @dataclass(frozen=True)

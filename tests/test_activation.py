@@ -4,6 +4,7 @@ cannot run: ``test_without_the_start_up_hook.py``."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -12,7 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, ROOT, SCENARIOS, bare_venv, environment, run_code, run_python, tiny_olmoe
+from conftest import (
+    AFFECTED,
+    ROOT,
+    SCENARIOS,
+    bare_venv,
+    environment,
+    run_code,
+    run_python,
+    tiny_olmoe,
+    tiny_olmoe_control,
+    unwrapped,
+)
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
@@ -33,17 +45,17 @@ def test_startup_hook_fixes_a_script_that_never_imports_the_package() -> None:
 
 @pytest.mark.stack
 def test_startup_hook_control_switched_off_leaks() -> None:
-    run = tiny_olmoe("--steps", "5", switch="0")
-    counters = [s["counter"] for s in run.steps]
+    # The same script with the switch off (and the start-up hook then stays out of the import system:
+    # test_startup_hook_switched_off_does_not_even_install_its_finder).
+    counters = [s["counter"] for s in tiny_olmoe_control().steps]
     if AFFECTED:
         assert counters[-1] > counters[0] > 0
     else:
         assert counters == [0] * 5
-    assert run.summary["bnb_gc_fix_imported"] is False
 
 
 def test_interpreter_start_imports_nothing_costly_and_prints_nothing() -> None:
-    result = run_code("import sys; print(sorted(sys.modules))")
+    result = run_code("import sys; print(sorted(sys.modules))", fresh="what interpreter start imports")
     assert result.stderr == ""
     modules = set(eval(result.stdout))
     assert "_bnb_gc_fix" in modules  # the hook ran...
@@ -54,12 +66,14 @@ def test_startup_hook_switched_off_does_not_even_install_its_finder() -> None:
     watching = (
         "import sys, _bnb_gc_fix; print(any(isinstance(f, _bnb_gc_fix.Watcher) for f in sys.meta_path))"
     )
-    assert run_code(watching, switch="off").stdout.strip() == "False"
-    assert run_code(watching).stdout.strip() == "True"
+    fresh = "what the start-up hook installs at interpreter start"
+    assert run_code(watching, switch="off", fresh=fresh).stdout.strip() == "False"
+    assert run_code(watching, fresh=fresh).stdout.strip() == "True"
 
 
 def test_processes_without_bitsandbytes_never_import_the_package() -> None:
-    result = run_code("import json, sys; import email.parser; print('bnb_gc_fix' in sys.modules)")
+    code = "import json, sys; import email.parser; print('bnb_gc_fix' in sys.modules)"
+    result = run_code(code, fresh="a process that never imports bitsandbytes (the warm parent did)")
     assert result.stdout.strip() == "False"
 
 
@@ -84,6 +98,7 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
         check=False,
         executable=str(made.python),
         cwd=tmp_path,
+        fresh="a venv of its own, with the broken install",
     )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ok", "")
 
@@ -91,7 +106,8 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
 def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
     made = bare_venv(tmp_path / "venv")
     (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix; _bnb_gc_fix.install()\n")
-    result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path)
+    fresh = "a venv of its own, with the naive line"
+    result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path, fresh=fresh)
     assert "Error processing line" in result.stderr
 
 
@@ -116,8 +132,9 @@ def _switch(value: str | None) -> dict[str, object]:
     result = run_code(SWITCH, switch=value)
     facts: dict[str, object] = result.last_json
     # The start-up hook imports the package when bitsandbytes is imported, before the snippet
-    # catches warnings: those reach stderr. Count both.
-    printed = [line for line in result.stderr.splitlines() if "Warning: " in line and "BNB_GC_FIX" in line]
+    # catches warnings: those reach stderr, each a line and the lines indented under it. Count both.
+    blocks = re.split(r"\n(?=\S)", result.stderr)
+    printed = [unwrapped(block) for block in blocks if "Warning: " in block and "BNB_GC_FIX" in block]
     facts["warnings"] = [*facts["warnings"], *printed]  # type: ignore[misc]
     facts["log"] = result.stdout
     return facts
@@ -165,7 +182,7 @@ def test_switch_values_that_turn_it_off(value: str) -> None:
     assert facts["on"] is False and facts["wrapped"] is False
     assert facts["switch"] == value
     if AFFECTED:
-        assert f"BNB_GC_FIX={value!r} switched it off" in str(facts["reason"])
+        assert f"the fix is off (BNB_GC_FIX={value!r}" in str(facts["reason"])
     assert facts["warnings"] == []
 
 
@@ -173,7 +190,7 @@ def test_unknown_switch_value_warns_once_and_behaves_as_auto() -> None:
     facts = _switch("sometimes")
     assert facts["on"] is True and facts["wrapped"] is AFFECTED
     assert len(facts["warnings"]) == 1  # the hook, the import and activate() all read it: one warning
-    message = str(facts["warnings"][0])  # type: ignore[index]
+    message = unwrapped(str(facts["warnings"][0]))  # type: ignore[index]
     assert "'sometimes'" in message and "0/off/false/no" in message and "force" in message
 
 
@@ -181,16 +198,16 @@ def test_unknown_switch_value_warns_once_and_behaves_as_auto() -> None:
 def test_an_unknown_switch_value_never_breaks_the_import_even_where_warnings_are_errors(
     warnings_are: str,
 ) -> None:
-    # `python -W error` (pytest's filterwarnings = error too): the warning would raise inside the user's
-    # import; it goes to the log instead, and the fix is on. The control: the plain warning.
+    # Warnings as errors (`python -W error`, pytest's filterwarnings = error): the warning would raise inside
+    # the user's import; it goes to the log instead, and the fix is on. The control: the plain warning.
     code = (
-        "import logging, sys\n"
+        "import logging, sys, warnings\n"
+        f"warnings.simplefilter({'error' if warnings_are == 'errors' else 'default'!r})\n"
         "logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format='LOG %(message)s')\n"
         "import bnb_gc_fix, bitsandbytes.nn.parametrize\n"
         "print(bnb_gc_fix.status().on)\n"
     )
-    options = ["-W", "error"] if warnings_are == "errors" else []
-    result = run_python([*options, "-c", code], switch="sometimes")
+    result = run_python(["-c", code], switch="sometimes")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "True"
     said = result.stdout if warnings_are == "errors" else result.stderr
@@ -205,11 +222,10 @@ model = torch.nn.ModuleList([quantized.make(params=2)])
 x = torch.randn(2, 64)
 checkpoint(model[0], x, use_reentrant=False).sum().backward()
 leaked = quantized.counter()
-print(json.dumps([bnb_gc_fix.status().on, bnb_gc_fix.repair(model), leaked, bnb_gc_fix.reset(),
-                  quantized.counter()]))
+print(json.dumps([bnb_gc_fix.status().on, leaked, bnb_gc_fix.reset(), quantized.counter()]))
 """
-    on, repaired, leaked, released, after = run_code(code, prelude="scenarios", switch="0").last_json
-    assert (on, repaired, after) == (False, 0, 0)  # the fix off: nothing to put in place
+    on, leaked, released, after = run_code(code, prelude="scenarios", switch="0").last_json
+    assert (on, after) == (False, 0)
     assert released == leaked == (2 if AFFECTED else 0)
 
 
@@ -252,6 +268,7 @@ def _torchrun(switch: str | None, results: Path) -> list[dict[str, Any]]:
         str(SCENARIOS / "ddp_train.py"),
     ]
     env = environment(switch, OMP_NUM_THREADS="1", STEPS="3", RESULTS_DIR=str(results))
+    # fresh: torchrun starts its ranks itself, each a fresh interpreter of this environment
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert completed.returncode == 0, completed.stderr[-3000:]
     lines = [line for rank in (0, 1) for line in (results / f"rank{rank}.jsonl").read_text().splitlines()]
@@ -301,9 +318,9 @@ print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, 
 @pytest.mark.parametrize(
     ("cancel", "reason"),
     [
-        ("nothing", "the fix is in bitsandbytes"),
-        ("deactivate", "deactivate() switched it off"),
-        ("switched-off-and-read", "BNB_GC_FIX='off' switched it off"),
+        ("nothing", "nothing here has quantized weights with replace_parameter_4bit so far"),
+        ("deactivate", "the fix is off (deactivate() switched it off"),
+        ("switched-off-and-read", "the fix is off (BNB_GC_FIX='off'"),
     ],
     ids=["control-stays-pending", "deactivate", "switched-off-and-read"],
 )

@@ -10,7 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, BITSANDBYTES, TORCH, WITHOUT_STARTUP_HOOK, cli_calls, run_code, run_python
+from conftest import (
+    AFFECTED,
+    BITSANDBYTES,
+    TORCH,
+    WITHOUT_STARTUP_HOOK,
+    cli_calls,
+    command,
+    run_code,
+    run_python,
+    unwrapped,
+)
 
 INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_", "b'/", "bnb_gc_fix.")
 
@@ -19,8 +29,12 @@ INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_"
 # One interpreter per path: its setup code sets the path up for real (an import blocked by a meta-path
 # finder, a CPU-only torch asked for CUDA, ...), then `check --json` and `check` both run in it.
 
+# A library that cannot be imported here, as where it is not installed: its modules forgotten (a warm
+# process imported torch and bitsandbytes already), and a finder that answers "no such module".
 BLOCK = """
 import sys
+for imported in [each for each in sys.modules if each == {name!r} or each.startswith({name!r} + ".")]:
+    del sys.modules[imported]
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name == {name!r} or name.startswith({name!r} + "."):
@@ -96,7 +110,8 @@ def test_every_check_path_exits_2_with_one_json_object(path: str) -> None:
 def test_check_cuda_on_this_cpu_only_torch_from_the_console_script() -> None:
     """The reported symptom itself: a traceback and exit 1 (read by CI as a leak)."""
     console = str(Path(sys.executable).parent / "bnb-gc-fix")
-    result = run_python(["check", "--device", "cuda", "--json"], executable=console)
+    fresh = "the console script itself, as the symptom was reported"
+    result = run_python(["check", "--device", "cuda", "--json"], executable=console, fresh=fresh)
     assert result.returncode == 2
     assert json.loads(result.stdout)["exit_code"] == 2
     assert "Traceback" not in result.stderr
@@ -129,7 +144,7 @@ print(json.dumps({
 
 
 def test_command_line_messages_are_clear_and_name_no_internals() -> None:
-    outcome = json.loads(run_code(CLI_PATHS).stdout)
+    outcome = json.loads(run_code(CLI_PATHS, fresh="a usage error imports no torch").stdout)
     code, text = outcome["no-arguments"]
     assert code == 2 and "usage: bnb-gc-fix" in text and "give a command" in text
     code, text = outcome["steps-abc"]
@@ -154,51 +169,52 @@ def test_command_line_messages_are_clear_and_name_no_internals() -> None:
 # --- check -------------------------------------------------------------------------------------
 
 
+# `bnb-gc-fix check --device cpu` (the README's command) and its --json, with the fix on and off: each run
+# once, read by these tests and by the README's console block (test_readme.py).
+
+
 @pytest.mark.stack
 def test_check_exits_0_when_protected() -> None:
-    result = run_python(["-m", "bnb_gc_fix", "check", "--device", "cpu", "--steps", "3"])
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    code, out, err = command("check", "--device", "cpu")
+    assert code == 0, err
+    lines = out.splitlines()
     state = "protected" if AFFECTED else "not affected"
     assert lines[1].startswith(f"state: {state}: ")
     rows = [line.split() for line in lines if line.strip()[:1].isdigit()]
-    assert rows == [["1", "0", "0"], ["2", "0", "0"], ["3", "0", "0"]]
-    assert "an adapter trained through the quantized experts: 3 steps ran" in lines
-    assert lines[-1].startswith("protected: ") and "CheckpointError" not in result.stdout
+    assert rows == [["1", "0", "0"], ["2", "0", "0"], ["3", "0", "0"], ["4", "0", "0"]]
+    assert "an adapter trained through the quantized experts: 4 steps ran" in lines
+    assert lines[-1].startswith(f"{state}: ") and "CheckpointError" not in out
 
 
 @pytest.mark.stack
 def test_check_control_exits_1_when_switched_off_and_shows_both_faces_of_the_leak() -> None:
-    console = str(Path(sys.executable).parent / "bnb-gc-fix")
-    text = run_python(["check", "--device", "cpu"], switch="0", executable=console)
-    result = run_python(["check", "--device", "cpu", "--json"], switch="0", executable=console)
+    text_code, text, _ = command("check", "--device", "cpu", switch="0")
+    json_code, line, err = command("check", "--device", "cpu", "--json", switch="0")
+    payload = json.loads(line)
     if not AFFECTED:  # upstream's fix holds without the package
-        assert result.returncode == text.returncode == 0, result.stderr
-        assert json.loads(result.stdout)["protected"] is True
+        assert json_code == text_code == 0, err
+        assert payload["protected"] is True and payload["state"] == "not affected"
+        assert text.splitlines()[-1].startswith("not affected: ") and "nothing was needed" in unwrapped(text)
         return
-    assert result.returncode == text.returncode == 1, result.stderr
-    payload = json.loads(result.stdout)
+    assert json_code == text_code == 1, err
     assert payload["protected"] is False and payload["status"]["state"] == "unprotected"
     counters = [s["counter"] for s in payload["steps"]]
     assert len(counters) == 4 and counters[0] > 0 and counters == sorted(counters)
     assert all(s["cache_bytes"] > 0 for s in payload["steps"])
     assert payload["adapter_steps"] == 0 and payload["adapter_error"].startswith("CheckpointError: ")
-    lines = text.stdout.splitlines()
-    assert "an adapter trained through the quantized experts: step 1 died: CheckpointError: " in text.stdout
-    assert lines[-1].startswith("LEAK: the cache stayed switched on after a step")
-    assert "the CheckpointError is the same leak's other face" in lines[-1]
+    said = unwrapped(text)
+    assert "an adapter trained through the quantized experts: step 1 died: CheckpointError: " in said
+    assert "LEAK: the cache stayed switched on after a step" in said
+    assert "the CheckpointError is the same leak's other face" in said
 
 
 def test_check_json_matches_its_table() -> None:
-    table = run_python(["-m", "bnb_gc_fix", "check", "--steps", "2"], switch="0")
-    data = run_python(["-m", "bnb_gc_fix", "check", "--steps", "2", "--json"], switch="0")
-    assert table.returncode == data.returncode
-    rows = [
-        [int(v) for v in line.split()] for line in table.stdout.splitlines() if line.strip()[:1].isdigit()
-    ]
-    payload = json.loads(data.stdout)
+    _, table, _ = command("check", "--device", "cpu", switch="0")
+    _, data, _ = command("check", "--device", "cpu", "--json", switch="0")
+    rows = [[int(v) for v in line.split()] for line in table.splitlines() if line.strip()[:1].isdigit()]
+    payload = json.loads(data)
     assert rows == [[s["step"], s["counter"], s["cache_bytes"]] for s in payload["steps"]]
-    assert payload["device"] == "cpu"  # the default without CUDA
+    assert payload["device"] == "cpu"
 
 
 # --- the `status` command on this stack ----------------------------------------------------------
@@ -225,27 +241,28 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert facts["import_errors"] == []
     for key in ("python", "transformers", "reason", "bnb_gc_fix"):
         assert facts[key]
-    # The text: the same record, each sentence once, in the words `check` uses.
+    # The text: the same record, each fact once: versions, state, fix, cache.
+    said = unwrapped(text)
     lines = text.splitlines()
-    assert f"state: {facts['state']}: {facts['reason']}" in lines
-    fix = (
-        "fix:   on, turned on by import bnb_gc_fix (BNB_GC_FIX unset); the start-up hook ran in this process"
-    )
-    assert fix in lines
-    assert "cache: counter 0, 0 bytes" in lines
-    release = "leaks this way without the fix" if AFFECTED else "does not leak this way"
-    assert any(line.startswith(f"bitsandbytes {BITSANDBYTES}: a release that {release}") for line in lines)
-    assert text.count(facts["reason"]) == 1
+    assert lines[0].startswith("bnb-gc-fix ") and f"torch {TORCH}" in lines[0]
+    assert f"bitsandbytes {BITSANDBYTES}" in lines[0]
+    assert f"state: {facts['state']}: {facts['reason']}" in said
+    if AFFECTED:  # the release leaks, but nothing is quantized in this process
+        assert f"bitsandbytes {BITSANDBYTES} leaks this way, but nothing here has quantized" in said
+    assert "fix: on (BNB_GC_FIX unset); the start-up hook ran in this process" in said  # the command's own
+    assert "cache: off, counter 0, 0 bytes" in lines
+    assert said.count(facts["reason"]) == 1
+    assert not [line for line in lines if line.startswith(("bitsandbytes", "axolotl"))]  # no library line
 
 
 def test_status_command_without_torch_says_so() -> None:
     code = BLOCK.format(name="torch") + "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert "state: not affected: bitsandbytes is not imported in this process" in lines
-    assert "cache: torch's parametrization module is not imported" in lines
-    assert "import: torch is not installed" in lines
+    said = unwrapped(result.stdout)
+    assert "state: not affected: bitsandbytes is not imported in this process" in said
+    assert "cache: not in use (torch's parametrize module is not imported)" in said
+    assert "import: torch is not installed" in said
 
 
 def test_status_command_without_bitsandbytes_says_so() -> None:
@@ -253,7 +270,7 @@ def test_status_command_without_bitsandbytes_says_so() -> None:
     code = BLOCK.format(name="bitsandbytes") + status_command
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert "state: not affected: bitsandbytes is not imported in this process" in lines
-    assert "bitsandbytes: not imported here" in lines
-    assert "import: bitsandbytes is not installed" in lines
+    said = unwrapped(result.stdout)
+    assert "state: not affected: bitsandbytes is not imported in this process" in said
+    assert "import: bitsandbytes is not installed" in said
+    assert "not imported here" not in said and "turned on by" not in said  # issue 42's finding 8

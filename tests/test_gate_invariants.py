@@ -1,12 +1,14 @@
 """The fix's holds rule and the safety nets' rule, for every program, and the behaviours each guarded by a
 test of its own.
 
-The property test runs Hypothesis inside a fresh interpreter (``tests/scenarios/gate_property.py``, whose
-docstring lists what its random programs do on two interleaved threads): the counter is never negative
-and always equals the holds of calls still holding and of open ``P.cached()`` blocks, and every safety
-net gives back, reports and raises exactly what an oracle says. Its control, with the fix switched off,
-must be falsified. A mutation of the span rule (a net giving back any rise, or every hold of its thread),
-of the re-entry rule, or of the rule for an off hook without a hold is falsified too. The tests below it
+The property test runs Hypothesis in a process of its own (``tests/scenarios/gate_property.py``, whose
+docstring lists what its random programs do on two interleaved threads, deep copies and deactivate() and
+activate() among them): the counter is never negative, always equals the holds of calls still holding and
+of open ``P.cached()`` blocks (with the fix switched off by the program, what bitsandbytes' own pair
+leaves, as in the control), and every safety net gives back, reports and raises exactly what an oracle
+says. Its control, with the fix switched off, must be falsified. A mutation of the span rule (a net giving
+back any rise, or every hold of its thread), of the re-entry rule, of the rule for an off hook without a
+hold, or of deactivate() (the fix's mark left on a copy's off hook) is falsified too. The tests below it
 each pin one behaviour that the property does not reach: the clamp (a direct call of bitsandbytes' off
 function never goes below zero), and ``reset()`` forgetting the fix's holds.
 """

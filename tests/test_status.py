@@ -11,20 +11,26 @@ from conftest import AFFECTED, BITSANDBYTES, WITHOUT_STARTUP_HOOK, run_code, run
 
 # --- status reads as protection -----------------------------------------------------------------
 
-# One interpreter walks a user's script: status at the top, after `import bitsandbytes`, after the
-# model is quantized, after a leaking step with the fix switched off, and back on. The INFO log
-# line is checked in the same run (the package's one INFO line when it patches).
-STATES = """
-import logging
-logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s: %(message)s")
+# One process walks a user's script: status after `import bitsandbytes`, after the model is quantized,
+# after a leaking step with the fix switched off, and back on. The INFO log line is checked in the same
+# run (the package's one INFO line when it patches). Status at the top of a script, before anything is
+# imported: test_status_at_the_top_of_a_script.
+SHOW = """
 import bnb_gc_fix
 def show():
     s = bnb_gc_fix.status()
     return dict(state=s.state, on=s.on, covered=s.covered, counter=s.counter, cache_bytes=s.cache_bytes,
                 reason=s.reason, torch_imported="torch" in sys.modules)
-seen = {"top": show()}
+"""
+STATES = (
+    """
+import logging
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="LOG %(name)s: %(message)s")
+"""
+    + SHOW
+    + """
 import bitsandbytes
-seen["after import bitsandbytes"] = show()
+seen = {"after import bitsandbytes": show()}
 import torch
 from torch.utils.checkpoint import checkpoint
 import quantized
@@ -44,24 +50,31 @@ bnb_gc_fix.activate()
 seen["on again"] = show()
 print("STATES " + json.dumps(seen))
 """
+)
+
+
+def test_status_at_the_top_of_a_script() -> None:
+    code = SHOW + "print(json.dumps(show()))"
+    fresh = "status before torch and bitsandbytes are imported"
+    top = run_code(code, prelude="scenarios-without-startup-hook", fresh=fresh).last_json
+    assert (top["state"], top["on"], top["covered"]) == ("not affected", True, 0)
+    assert top["reason"] == "bitsandbytes is not imported in this process"
+    assert top["counter"] is None and top["cache_bytes"] is None and top["torch_imported"] is False
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: the fix goes into its code")
 def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     result = run_code(STATES, prelude="scenarios-without-startup-hook")
     seen = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("STATES "))[7:])
-    top = seen["top"]
-    assert (top["state"], top["on"], top["covered"]) == ("not affected", True, 0)
-    assert top["reason"] == "bitsandbytes is not imported in this process"
-    assert top["counter"] is None and top["cache_bytes"] is None and top["torch_imported"] is False
     # bitsandbytes 0.48-0.49 do not import their parametrize module by themselves: nothing uses it yet.
     imported = seen["after import bitsandbytes"]
     assert imported["state"] == "not affected"
-    assert "nothing here has quantized a module with" in imported["reason"]
+    assert "nothing here has quantized weights with replace_parameter_4bit so far" in imported["reason"]
     assert imported["counter"] == 0  # torch (and its parametrize) imported now
     assert (seen["quantized"]["state"], seen["quantized"]["covered"]) == ("protected", 1)
     assert (
-        "1 modules quantized with replace_parameter_4bit hold the fix's hooks" in seen["quantized"]["reason"]
+        "the fix covers the 1 modules quantized here with replace_parameter_4bit"
+        in seen["quantized"]["reason"]
     )
     assert seen["activated again"]["reason"] == seen["quantized"]["reason"]
     assert seen["step"]["counter"] == 0 and seen["step"]["cache_bytes"] == 0
@@ -71,7 +84,8 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     assert "deactivate() switched it off" in leaking["reason"]
     assert seen["on again"]["state"] == "protected" and seen["on again"]["counter"] == 0
     logs = [line for line in result.stdout.splitlines() if line.startswith("LOG ")]
-    assert f"LOG bnb_gc_fix: the fix is in bitsandbytes {BITSANDBYTES} (bitsandbytes.nn.parametrize)" in logs
+    named = f"bitsandbytes {BITSANDBYTES} (bitsandbytes.nn.parametrize)"
+    assert f"LOG bnb_gc_fix: bnb-gc-fix put its fix into {named}" in logs
 
 
 # --- warnings point at the user's line ----------------------------------------------------------
