@@ -222,15 +222,6 @@ class Worker:
             raise SystemExit(f"the {self.name} worker exited with status {code} (its stderr is above)")
         return message
 
-    def received(self) -> list[dict[str, Any]]:
-        """The messages that arrived since the last look, without waiting."""
-        found = []
-        while not self.inbox.empty():
-            message = self.inbox.get()
-            if message is not None:
-                found.append(message)
-        return found
-
     def close(self) -> None:
         """Ask it to quit (``{"cmd": "quit"}``); kill it if it has not within a minute."""
         if self.process.poll() is None:
@@ -407,23 +398,18 @@ def cache_state() -> tuple[int, int, int]:
     return int(P._cache_enabled), len(P._cache), held
 
 
-def proc_fields(path: str, keys: tuple[str, ...]) -> dict[str, int]:
-    """The fields ``keys`` (kB, given in bytes) of a /proc file; empty where there is no /proc."""
+def proc_status() -> dict[str, int]:
+    """This process's VmRSS and VmHWM (/proc/self/status, in bytes); empty where there is no /proc."""
     found: dict[str, int] = {}
     try:
-        with open(path) as fields:
+        with open("/proc/self/status") as fields:
             for line in fields:
                 key, _, value = line.partition(":")
-                if key in keys:
+                if key in ("VmRSS", "VmHWM"):
                     found[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
     return found
-
-
-def proc_status(pid: int | str = "self") -> dict[str, int]:
-    """VmRSS and VmHWM (bytes) of a process."""
-    return proc_fields(f"/proc/{pid}/status", ("VmRSS", "VmHWM"))
 
 
 # --------------------------------------------------------------------------- machine facts

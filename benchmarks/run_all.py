@@ -3,7 +3,7 @@
     python benchmarks/run_all.py            # memory, hotpath, startup, plot: about 10 minutes on 2 CPU cores
     python benchmarks/run_all.py --quick    # smoke run: small sizes, results in results/tmp/
     python benchmarks/run_all.py --gpu      # also the CUDA memory benchmark (needs a GPU)
-    python benchmarks/run_all.py --full     # also OLMoE-1B-7B's real shapes (olmoe_full.py: 33 minutes)
+    python benchmarks/run_all.py --full     # also one layer at OLMoE-1B-7B's real width (olmoe_full.py)
     python benchmarks/run_all.py --only hotpath startup
 
 Each benchmark runs in its own interpreter, so the start-up hook and the ``BNB_GC_FIX`` switch behave as
@@ -32,7 +32,7 @@ def commands(quick: bool, gpu: bool, full: bool) -> dict[str, list[str]]:
         "startup": ["startup.py", *quick_flag],
         "gpu": ["gpu.py", "--no-plot", *quick_flag],
         "plot": ["plot.py", *(quick_plot if quick else [])],
-        "olmoe-full": ["olmoe_full.py", *(["--smoke", "--seq", "32", "--layers", "1", "2"] if quick else [])],
+        "olmoe-full": ["olmoe_full.py", *(["--smoke", "--seq", "32"] if quick else [])],
     }
     if not gpu:
         del found["gpu"]
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = harness.parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="smoke run; results go to results/tmp/")
     parser.add_argument("--gpu", action="store_true", help="also run gpu.py (CUDA memory benchmark)")
-    parser.add_argument("--full", action="store_true", help="also olmoe_full.py (OLMoE-1B-7B shapes)")
+    parser.add_argument("--full", action="store_true", help="also olmoe_full.py (one OLMoE-1B-7B layer)")
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these")
     args = parser.parse_args(argv)
     failures = []
