@@ -24,10 +24,12 @@ pytestmark = [
 ]
 HEAVY = {"wrapt", "packaging", "importlib.metadata", "torch", "bitsandbytes", "bnb_gc_fix"}
 CONSOLE = str(Path(sys.executable).parent / "bnb-gc-fix")
+FRESH = "an environment without torch: there is no warm parent to fork from"
 
 
 def test_start_up_hook_runs_imports_nothing_costly_and_prints_nothing(tmp_path: Path) -> None:
-    result = run_python(["-c", "import json, sys; print(json.dumps(sorted(sys.modules)))"], cwd=tmp_path)
+    code = "import json, sys; print(json.dumps(sorted(sys.modules)))"
+    result = run_python(["-c", code], cwd=tmp_path, fresh=FRESH)
     assert result.returncode == 0 and result.stderr == "", result.stderr
     modules = set(json.loads(result.stdout))
     assert "_bnb_gc_fix" in modules
@@ -39,14 +41,19 @@ def test_import_works_without_torch_and_status_says_nothing_is_affected(tmp_path
         "import json, sys, bnb_gc_fix; s = bnb_gc_fix.status(); "
         "print(json.dumps([s.state, s.on, 'torch' in sys.modules]))"
     )
-    result = run_python(["-c", code], cwd=tmp_path)
+    result = run_python(["-c", code], cwd=tmp_path, fresh=FRESH)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == ["not affected", True, False]
-    facts = json.loads(run_python(["status", "--json"], executable=CONSOLE, cwd=tmp_path).stdout)
+    facts = json.loads(run_python(["status", "--json"], executable=CONSOLE, cwd=tmp_path, fresh=FRESH).stdout)
     assert facts["state"] == "not affected" and facts["torch"] is None, facts
     assert facts["import_errors"] == ["torch is not installed"], facts
+    # Issue 42's finding 8: the text says each fact once, and nothing turned on that nobody asked for.
+    text = run_python(["status"], executable=CONSOLE, cwd=tmp_path, fresh=FRESH).stdout
+    assert "torch not installed, bitsandbytes not installed" in text.splitlines()[0], text
+    assert "bitsandbytes is not imported in this process" in text and "not imported here" not in text
+    assert "turned on by" not in text and "import: torch is not installed" in text
 
 
 def test_check_exits_2_and_says_to_install_torch(tmp_path: Path) -> None:
-    result = run_python(["check"], executable=CONSOLE, cwd=tmp_path)
+    result = run_python(["check"], executable=CONSOLE, cwd=tmp_path, fresh=FRESH)
     assert result.returncode == 2 and "install torch" in result.stderr, (result.returncode, result.stderr)

@@ -10,16 +10,14 @@ import tempfile
 import threading
 import warnings
 
+import torch
+import torch.nn.utils.parametrize as P
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
 import bnb_gc_fix
 
-imported_by_package = sorted(m for m in ("transformers", "torch", "bitsandbytes") if m in sys.modules)
-
-import torch  # noqa: E402
-import torch.nn.utils.parametrize as P  # noqa: E402
-from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from tiny_olmoe import CHECKPOINTING, build  # noqa: E402
+from tiny_olmoe import CHECKPOINTING, build
 
 
 class Recorder(TrainerCallback):
@@ -83,7 +81,6 @@ def main() -> None:
                 "threads": recorder.threads,
                 "reports": [str(w.message) for w in caught if str(w.message).startswith("bnb_gc_fix")],
                 "given_back": guard.given_back if guard else None,
-                "imported_by_package": imported_by_package,
                 "state": bnb_gc_fix.status().state,
             }
         )
