@@ -20,9 +20,10 @@ every console transcript.
 
     nox                                      # runs the cells, writes their results
     python scripts/readme_table.py           # regenerates all of it (the one command after a change)
-    python scripts/readme_table.py --check   # CI: fail if anything differs
+    python scripts/readme_table.py --check   # CI, after nox: fail if the matrix table differs
 
-tests/test_readme.py runs the same comparisons (each console block in a test of its own).
+The console blocks and the Quick start lines are checked by tests/test_readme.py, in the README's test
+command: each block's commands run there as test_command_line.py runs them.
 """
 
 from __future__ import annotations
@@ -55,13 +56,14 @@ CI_START, CI_END = "# README.md, Quick start", "# end of the README's commands"
 _CONSOLE = re.compile(r"<!-- (?P<name>[a-z-]+-output):start -->(?P<body>.*?)<!-- (?P=name):end -->", re.S)
 _FENCE = re.compile(r"```console\n(?P<content>.*?)```", re.S)
 # Lines torch and bitsandbytes print on their own on a CPU-only machine; never ours.
-_FOREIGN = ("Failed to load CPU gemm_4bit_forward from kernels-community", "_check_is_size")
+FOREIGN = ("Failed to load CPU gemm_4bit_forward from kernels-community", "_check_is_size")
 # pytest's closing line carries the run's duration (and its padding with it): compared without.
 _PYTEST_LAST = re.compile(
     r"^(?:=+ )?(?P<summary>(?:\d+ \w+|no tests ran).*?) in [0-9.]+s(?: \([0-9:]+\))?(?: =+)?$", re.M
 )
-FIX_TEST = "test_with_the_fix_the_counter_is_zero_after_every_step"
-CONTROL_TEST = "test_control_leaks_only_on_an_affected_release"
+# A test the matrix reads records its role with record_property("matrix", ...): the fix's run, or its
+# control's. Found by that, never by its name, so that a renamed test cannot silently drop out.
+FIX, CONTROL = "fix", "control"
 
 
 def documents() -> list[Path]:
@@ -100,15 +102,22 @@ def _property(test: dict[str, Any], key: str) -> Any:
     return json.loads(value.replace("True", "true").replace("False", "false"))
 
 
-def _tests(cell: dict[str, Any], name: str) -> dict[str, dict[str, Any]]:
-    """The cell's runs of test ``name``, by parameter (``""`` when not parametrized)."""
+def _tests(cell: dict[str, Any], role: str) -> dict[str, dict[str, Any]]:
+    """The cell's runs of the tests that recorded ``matrix`` as ``role``, by parameter (``""`` when not
+    parametrized)."""
     found = {}
     for test in cell["tests"]:
+        if test["outcome"] == "skipped" or _property(test, "matrix") != role:
+            continue
         function = test["test"].rsplit("::", 1)[-1]
-        if function.split("[")[0] == name and test["outcome"] != "skipped":
-            parameter = function[len(name) + 1 : -1] if "[" in function else ""
-            found[parameter] = test
+        parameter = function[function.index("[") + 1 : -1] if "[" in function else ""
+        found[parameter] = test
     return found
+
+
+def _only(cell: dict[str, Any], role: str) -> dict[str, Any]:
+    """The cell's one run of the test that recorded ``matrix`` as ``role`` ({} where none ran)."""
+    return next(iter(_tests(cell, role).values()), {})
 
 
 def _versions(cell: dict[str, Any]) -> tuple[str, str, str, str]:
@@ -126,8 +135,8 @@ def _verdict(cell: dict[str, Any]) -> str:
 def _matrix_rows(cell: dict[str, Any]) -> list[str]:
     """A matrix cell (tests/test_versions.py): one row per checkpointing variant it trained."""
     python, torch, bnb, transformers = _versions(cell)
-    fixes = _tests(cell, FIX_TEST)
-    controls = _tests(cell, CONTROL_TEST)
+    fixes = _tests(cell, FIX)
+    controls = _tests(cell, CONTROL)
     rows = []
     if not fixes:  # no bitsandbytes, or one without bitsandbytes.nn.parametrize
         if bnb == "not installed":
@@ -162,8 +171,7 @@ def _matrix_rows(cell: dict[str, Any]) -> list[str]:
 def _stack_row(cell: dict[str, Any]) -> str:
     """A stack cell: its `pytest -m stack` run, counters from the tiny OLMoE leak test and its control."""
     python, torch, bnb, transformers = _versions(cell)
-    fix = next(iter(_tests(cell, "test_tiny_olmoe_with_fix_ends_every_step_at_zero").values()), {})
-    control = next(iter(_tests(cell, "test_tiny_olmoe_control_leaks_without_fix").values()), {})
+    fix, control = _only(cell, FIX), _only(cell, CONTROL)
     fixed = _property(fix, "counters") or []
     leaked = _property(control, "counters") or []
     does = "fixes it" if _property(fix, "state") == "protected" else "steps aside"
@@ -182,12 +190,7 @@ def _install_row(cell: dict[str, Any]) -> str:
     if cell["cell"]["marker"] == "bare":
         does = "the wheel: start-up hook silent and cheap, imports, `status` says why, `check` exits 2"
         return f"| {python} | not installed | {bnb} | {transformers} | - | {does} | - | {_verdict(cell)} |"
-    fix = next(
-        iter(_tests(cell, "test_start_up_hook_fixes_a_script_that_never_imports_the_package").values()), {}
-    )
-    control = next(
-        iter(_tests(cell, "test_control_switched_off_leaks_and_never_imports_the_package").values()), {}
-    )
+    fix, control = _only(cell, FIX), _only(cell, CONTROL)
     leaked = _property(control, "counters") or []
     leak = f"**yes**: counter {_counters(leaked)}" if any(leaked) else "no"
     does = "the wheel: its start-up hook alone fixes a copied script"
@@ -259,6 +262,12 @@ def console_blocks(text: str) -> dict[str, list[str]]:
     return blocks
 
 
+def fences(text: str, name: str) -> list[str]:
+    """The console fences' contents (commands and what they print) of the generated block ``name``."""
+    blocks = [match for match in _CONSOLE.finditer(text) if match["name"] == name]
+    return [fence["content"] for block in blocks for fence in _FENCE.finditer(block["body"])]
+
+
 def ungenerated_console_fences(text: str) -> int:
     """How many ``console`` fences of ``text`` lie outside every generated block (should be none)."""
     return len(_FENCE.findall(_CONSOLE.sub("", text)))
@@ -307,7 +316,7 @@ def _run_commands(commands: list[str]) -> str:
     outputs = re.split(rf"^{re.escape(marker)}(?:\d+|end)\n", completed.stdout, flags=re.M)[1:]
     lines: list[str] = []
     for command, output in zip(commands, outputs):
-        printed = [line for line in output.splitlines() if not any(n in line for n in _FOREIGN)]
+        printed = [line for line in output.splitlines() if not any(n in line for n in FOREIGN)]
         if not printed:  # every documented command prints something: a blank block is a broken run
             raise SystemExit(f"`{command}` printed nothing here; is this the Quick start's environment?")
         lines.append(f"$ {command}")
@@ -333,15 +342,6 @@ def render_console(text: str, only: str | None = None) -> str:
 def comparable(block: str) -> str:
     """A console block as compared: pytest's closing line without its duration."""
     return _PYTEST_LAST.sub(lambda m: f"{m['summary']} in (time)", block)
-
-
-def block_now(document: Path, name: str) -> tuple[str, str]:
-    """Block ``name`` of ``document``: as committed, and as its commands print it now (comparable)."""
-    text = document.read_text()
-    fresh = render_console(text, only=name)
-    committed = next(m.group(0) for m in _CONSOLE.finditer(text) if m["name"] == name)
-    now = next(m.group(0) for m in _CONSOLE.finditer(fresh) if m["name"] == name)
-    return comparable(committed), comparable(now)
 
 
 def show_diff(document: Path, before: str, after: str) -> str:
@@ -384,53 +384,13 @@ def _table_matches(matrix: dict[str, Any]) -> bool:
     return False
 
 
-def _console_matches(document: Path) -> bool:
-    """Whether every console block of ``document`` is generated and shows what its commands print now;
-    if not, say where."""
-    text = document.read_text()
-    matches = True
-    if ungenerated_console_fences(text):
-        print(f"{document.name}: a console block outside <!-- NAME-output --> markers", file=sys.stderr)
-        matches = False
-    for name in console_blocks(text):
-        committed, now = block_now(document, name)
-        if committed != now:
-            diff = show_diff(document, committed, now)
-            print(f"{document.name}: {name} differs:\n{diff}\n", file=sys.stderr)
-            matches = False
-    return matches
-
-
-def _quick_start_matches() -> bool:
-    """Whether README.md's Quick start is the lines .ci/run runs; if not, say so."""
-    readme = quick_start_commands()
-    ci = ci_commands()
-    if readme == ci:
-        return True
-    print(f"README.md's Quick start commands {readme} are not the lines .ci/run runs {ci}", file=sys.stderr)
-    return False
-
-
-def _print_remedy(console: bool) -> None:
-    """After a mismatch: the environment the blocks were made in, where it differs, and what to run."""
-    recorded = recorded_environment()
-    here = environment()
-    if console and recorded != here:
-        print(f"(the blocks were generated with {recorded}; this is {here})", file=sys.stderr)
-    print("\nrun: python scripts/readme_table.py; keep .ci/run's Quick start lines", file=sys.stderr)
-
-
-def _check(matrix: dict[str, Any], console: bool) -> int:
-    """``--check``: 0 when everything generated matches, else 1. Every comparison runs, so that each
-    mismatch is told at once."""
-    matches = [_table_matches(matrix)]
-    if console:
-        matches += [_console_matches(document) for document in documents()]
-    matches.append(_quick_start_matches())
-    if not all(matches):
-        _print_remedy(console)
+def _check(matrix: dict[str, Any]) -> int:
+    """``--check``: 0 when docs/matrix.md's table is what the matrix results say, else 1 (the console
+    blocks and the Quick start lines are checked by tests/test_readme.py, in the README's test command)."""
+    if not _table_matches(matrix):
+        print("\nrun: python scripts/readme_table.py --table-only", file=sys.stderr)
         return 1
-    print("docs/matrix.md's table, the console output of README.md and docs/, and the Quick start match")
+    print("docs/matrix.md's table matches the matrix results")
     return 0
 
 
@@ -445,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     fresh = gather(args.results)
     matrix = fresh if fresh is not None else json.loads(MATRIX.read_text())
     if args.check:
-        return _check(matrix, console=not args.table_only)
+        return _check(matrix)
     if fresh is not None:
         MATRIX.write_text(json.dumps(fresh, indent=1) + "\n")
     MATRIX_PAGE.write_text(_replace(MATRIX_PAGE.read_text(), render(matrix)))

@@ -196,6 +196,7 @@ class WarmParent:
         self.replies = replies_read
         self.pending = b""
         self.scenarios = 0
+        self.unusable: str | None = None  # why this parent cannot serve: then every scenario runs fresh
 
     def differs_at_start(self, env: dict[str, str]) -> list[str]:
         """The variables read at start that ``env`` sets otherwise than this parent's environment."""
@@ -215,11 +216,13 @@ class WarmParent:
             self.pending += chunk
         line, self.pending = self.pending.split(b"\n", 1)
         reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"the warm parent cannot serve: {reply['error']}")
         return reply
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: Path | str, timeout: float) -> Run:
+    def run(self, argv: list[str], env: dict[str, str], cwd: Path | str, timeout: float) -> Run | None:
+        """The scenario's run, or None where this parent cannot be pristine (a library release that
+        imports bitsandbytes' 4-bit module by itself): then it runs in a fresh interpreter."""
+        if self.unusable is not None:
+            return None
         self.scenarios += 1
         out = self.folder / f"{self.scenarios}.out"
         err = self.folder / f"{self.scenarios}.err"
@@ -228,6 +231,9 @@ class WarmParent:
         started = self._reply(timeout=600)  # the parent's own start, at the first scenario
         if started is None:
             raise RuntimeError(f"the warm parent did not answer:\n{(self.folder / 'parent.log').read_text()}")
+        if "error" in started:
+            self.unusable = started["error"]
+            return None
         ended = self._reply(timeout)
         if ended is None:
             os.killpg(started["pid"], signal.SIGKILL)
@@ -277,7 +283,9 @@ def run_python(
                 f"a warm parent cannot run {[executable, *args][:3]} (environment read at start: {unlike}): "
                 "say why this scenario needs a fresh interpreter, run_python(..., fresh='why')"
             )
-        return parent.run(args, env, cwd, timeout)
+        warm = parent.run(args, env, cwd, timeout)
+        if warm is not None:
+            return warm
     completed = subprocess.run(
         [executable, *args], env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
@@ -286,19 +294,25 @@ def run_python(
 
 # --- a run several tests read -------------------------------------------------------------------------
 # A control that does not depend on a test's parameters runs once per test run, whichever worker asks
-# first; the others wait for it and read its result (xdist's workers share PYTEST_XDIST_TESTRUNUID).
+# first; the others wait for it and read its result, in the folder pytest made for the run (one
+# pytest-N folder holds every xdist worker's own).
 
-_SHARED = (
-    Path(tempfile.gettempdir())
-    / f"bnb-gc-fix-shared-{os.environ.get('PYTEST_XDIST_TESTRUNUID', os.getpid())}"
-)
+_shared_folder: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> None:
+    base = tmp_path_factory.getbasetemp()
+    folder = (base if worker_id == "master" else base.parent) / "shared-runs"
+    folder.mkdir(exist_ok=True)
+    _shared_folder.append(folder)
 
 
 def shared(name: str, make: Callable[[], Run]) -> Run:
     """``make()``'s Run, made once per test run under ``name`` and read by every test that asks."""
-    _SHARED.mkdir(exist_ok=True)
-    result = _SHARED / f"{name}.json"
-    with open(_SHARED / f"{name}.lock", "w") as lock:
+    folder = _shared_folder[0]
+    result = folder / f"{name}.json"
+    with open(folder / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not result.exists():
             made = make()

@@ -20,16 +20,19 @@ from conftest import (
     SCENARIOS,
     Prelude,
     Run,
+    cli_calls,
     environment,
     pip_target,
     run_code,
     run_python,
+    unwrapped,
 )
 from packaging.specifiers import SpecifierSet
 
 pytestmark = [pytest.mark.usefixtures("startup_hook_installed"), pytest.mark.downloads]
 
 SCENARIO = SCENARIOS / "axolotl_moe8bit.py"
+FRESH = "axolotl (and maybe another bitsandbytes) first on PYTHONPATH"
 
 # Requires-Python of each wheel, as published (checked against the installed METADATA below).
 # 0.15.0-0.19.0 register a plain forward hook (0.17.0 and 0.19.0 tested); 0.20.0 fixed it
@@ -68,7 +71,8 @@ def _pythonpath(axolotl: str, bitsandbytes: str) -> str:
 
 def _scenario(axolotl: str, bitsandbytes: str, *flags: str, switch: str | None = None) -> Run:
     env = environment(switch, PYTHONPATH=_pythonpath(axolotl, bitsandbytes))
-    result = run_python([str(SCENARIO), "--steps", "4", "--layers", "3", "--log", *flags], env=env)
+    argv = [str(SCENARIO), "--steps", "4", "--layers", "3", "--log", *flags]
+    result = run_python(argv, env=env, fresh=FRESH)
     assert result.returncode == 0, f"scenario failed:\n{result.stdout}\n{result.stderr}"
     assert result.summary["axolotl"] == axolotl
     if bitsandbytes == BNB_050:
@@ -130,7 +134,7 @@ def test_explicit_import_without_start_up_hook(bitsandbytes: str) -> None:
     argv = [str(SCENARIO), "--steps", "4", "--import-fix"]
     for switch, expected in ((None, [0, 0, 0, 0]), ("0", [3, 6, 9, 12])):
         env = environment(switch, PYTHONPATH=_pythonpath("0.19.0", bitsandbytes))
-        run = run_code(code, *argv, prelude="scenarios-without-startup-hook", env=env)
+        run = run_code(code, *argv, prelude="scenarios-without-startup-hook", env=env, fresh=FRESH)
         assert _counters(run) == expected, switch
         assert run.summary["turned_on_by"] == ("import bnb_gc_fix" if switch is None else None)
 
@@ -165,7 +169,7 @@ def test_fixed_axolotl_control(axolotl: str, bitsandbytes: str) -> None:
     assert _counters(_scenario(axolotl, bitsandbytes, switch="0")) == [0, 0, 0, 0]
 
 
-# --- status, deactivate, unexpected internals, repair ---------------------------------------------
+# --- status, deactivate, unexpected internals, quantized while off ----------------------------------
 
 
 def _snippet(
@@ -173,7 +177,7 @@ def _snippet(
 ) -> Any:
     """The JSON a snippet prints last, run with axolotl ``axolotl`` on the installed bitsandbytes."""
     env = environment(switch, PYTHONPATH=_pythonpath(axolotl, "installed"))
-    return run_code(code, prelude=prelude, env=env).last_json  # cwd: the checkout under test
+    return run_code(code, prelude=prelude, env=env, fresh=FRESH).last_json  # cwd: the checkout under test
 
 
 def test_status_reports_each_library_and_deactivate_undoes_the_axolotl_patch() -> None:
@@ -239,7 +243,7 @@ WRAPPED = {
 def test_status_is_the_worst_of_the_libraries_imported(wrapped: str, startup_hook: bool) -> None:
     env = environment(None, PYTHONPATH=_pythonpath("0.19.0", "installed"))
     prelude: Prelude = "scenarios" if startup_hook else "scenarios-without-startup-hook"
-    facts = run_code(WRAPPED_BY_ANOTHER_TOOL, wrapped, prelude=prelude, env=env).last_json
+    facts = run_code(WRAPPED_BY_ANOTHER_TOOL, wrapped, prelude=prelude, env=env, fresh=FRESH).last_json
     state, leaks = WRAPPED[(wrapped, startup_hook)]
     assert facts["libraries"] == {"bitsandbytes": state, "axolotl": "not affected"}  # nothing quantized
     assert (facts["four_bit"][-1] > 0) is leaks
@@ -248,13 +252,15 @@ def test_status_is_the_worst_of_the_libraries_imported(wrapped: str, startup_hoo
 
 def test_cli_status_lists_axolotl() -> None:
     env = environment(None, PYTHONPATH=_pythonpath("0.19.0", "installed"))
-    facts = json.loads(run_python(["-m", "bnb_gc_fix", "status", "--json"], env=env).stdout)
+    (_, line, _), (_, text, _) = cli_calls(["status", "--json"], ["status"], env=env, fresh=FRESH)
+    facts = json.loads(line)
     axolotl = next(lib for lib in facts["libraries"] if lib["name"] == "axolotl")
     assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True
-    assert axolotl["state"] == "not affected" and "the fix is in axolotl 0.19.0" in axolotl["reason"]
-    text = run_python(["-m", "bnb_gc_fix", "status"], env=env).stdout
-    release = "axolotl 0.19.0: a release that leaks this way without the fix (0.15.0 to before 0.20.0)"
-    assert f"{release}; here: not affected" in text.splitlines()
+    said = "axolotl 0.19.0 leaks this way, but nothing here has quantized weights with quantize_moe_experts"
+    assert axolotl["state"] == "not affected" and said in axolotl["reason"]
+    assert f"axolotl 0.19.0: not affected: {said}" in unwrapped(
+        text
+    )  # a line of its own, beside bitsandbytes
 
 
 def test_unexpected_axolotl_code_means_nothing_changed_and_one_warning() -> None:
@@ -273,12 +279,13 @@ def test_unexpected_axolotl_code_means_nothing_changed_and_one_warning() -> None
             untouched=moe_quant.replace_parameter_8bit is original)))
         """
     facts = _snippet(code, prelude="scenarios-without-startup-hook")
-    assert facts["state"] == "unprotected" and facts["untouched"]
+    assert facts["state"] == "not affected" and facts["untouched"]  # nothing quantized yet
     assert "_disable_parametrization_cache is not a Python function" in facts["reason"]
+    assert "Weights quantized that way would leak" in facts["reason"]
     assert len(facts["warnings"]) == 1
 
 
-REPAIR = """
+QUANTIZED_WHILE_OFF = """
 import torch
 from torch.utils.checkpoint import checkpoint
 import bnb_gc_fix, axolotl_moe8bit
@@ -286,9 +293,6 @@ bnb_gc_fix.deactivate()
 model = axolotl_moe8bit.build(layers=3)  # quantized while the fix is off: axolotl's own plain pairs
 bnb_gc_fix.activate()
 before = axolotl_moe8bit.hook_counts(model)
-fixed = bnb_gc_fix.repair(model)
-again = bnb_gc_fix.repair(model)
-after = axolotl_moe8bit.hook_counts(model)
 x = torch.randn(4, 32)
 counters = []
 for step in range(3):
@@ -297,21 +301,21 @@ for step in range(3):
         h = checkpoint(layer, h, use_reentrant=False)
     h.pow(2).mean().backward()
     counters.append(int(torch.nn.utils.parametrize._cache_enabled))
-print(json.dumps(dict(fixed=fixed, again=again, before=before, after=after, counters=counters)))
+after = axolotl_moe8bit.hook_counts(model)
+print(json.dumps(dict(before=before, after=after, counters=counters)))
 """
 
 
-def test_repair_takes_over_a_model_quantized_by_axolotl_while_the_fix_was_off() -> None:
-    facts = _snippet(REPAIR)
-    assert facts["fixed"] == 3 and facts["again"] == 0  # one experts module per layer
+def test_a_model_quantized_by_axolotl_while_the_fix_was_off_is_taken_over_at_its_next_forward() -> None:
+    facts = _snippet(QUANTIZED_WHILE_OFF)
     assert facts["before"]["always_called"] == 0 and facts["after"]["always_called"] == 1
     assert facts["counters"] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("axolotl", FIXED)
-def test_repair_leaves_a_fixed_axolotl_pair_alone(axolotl: str) -> None:
-    facts = _snippet(REPAIR, axolotl=axolotl)
-    assert facts["fixed"] == 0 and facts["before"] == facts["after"]
+def test_a_fixed_axolotls_pair_is_left_alone(axolotl: str) -> None:
+    facts = _snippet(QUANTIZED_WHILE_OFF, axolotl=axolotl)
+    assert facts["before"] == facts["after"]
     assert facts["counters"] == [0, 0, 0]
 
 
@@ -343,7 +347,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "axolotl.monkeypatch.moe_quant is not imported, so nothing here has quantized a module with "
-        "quantize_moe_experts; the fix goes in the moment it is imported"
+        "axolotl 0.19.0 leaks this way, but nothing here has quantized weights with quantize_moe_experts "
+        "so far"
     ]
     assert facts["state"] == ["protected"] and facts["hooks"] == 1

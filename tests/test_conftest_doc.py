@@ -1,9 +1,12 @@
 """The documented ``conftest.py`` (docs/test-suites.md), loaded from the page itself so that it cannot rot,
-run by real pytest runs on a small suite, each beside its control (the same suite without it).
+run by real pytest runs on a small suite, each beside its control (the same suite without it). Each run
+is a fresh interpreter: pytest's own.
 
 The suite: an innocent test, a test whose checkpointed step through a 4-bit module leaves the cache on, a
 test that fails on its own after leaking, a module-scoped fixture that leaks while it is set up, and a
-test after each that asserts it starts clean.
+test after each that asserts it starts clean. Its own conftest.py already defines the three runtest hooks
+and ``pytest_configure`` (as bitsandbytes' own does: its call hook seeds torch before every test), and the
+block is appended to it, as the page says: the suite's hooks all still run (issue 41's finding 5).
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ COUNTER = "import torch.nn.utils.parametrize as P\n"
 SUITE = {
     "test_a_leak.py": COUNTER
     + """
+import torch
 import quantized
+
+def test_seeded_by_the_suites_own_call_hook():
+    assert torch.initial_seed() == 0
 
 def test_innocent():
     assert P._cache_enabled == 0
@@ -74,6 +81,30 @@ assert "bnb_gc_fix" in sys.modules, "the start-up hook did not run"
 """
 
 
+# The suite's own conftest.py: the three runtest hooks and pytest_configure, each noting that it ran.
+OWN_HOOKS = """
+import os
+import torch
+
+def _ran(what):
+    with open(os.path.join(os.path.dirname(__file__), "hooks.log"), "a") as log:
+        log.write(what + "\\n")
+
+def pytest_configure(config):
+    _ran("configure")
+
+def pytest_runtest_setup(item):
+    _ran(f"setup {item.name}")
+
+def pytest_runtest_call(item):
+    torch.manual_seed(0)
+    _ran(f"call {item.name}")
+
+def pytest_runtest_teardown(item, nextitem):
+    _ran(f"teardown {item.name}")
+"""
+
+
 def conftest_block() -> str:
     """The fenced python block of docs/test-suites.md whose first line is FIRST_LINE."""
     page = (ROOT / "docs" / "test-suites.md").read_text()
@@ -87,9 +118,21 @@ def _suite(folder: Path, with_conftest: bool) -> Path:
     for name, source in SUITE.items():
         (folder / name).write_text(source)
     (folder / "early_plugin.py").write_text(EARLY_PLUGIN)
-    if with_conftest:
-        (folder / "conftest.py").write_text(conftest_block())
+    block = "\n\n" + conftest_block() if with_conftest else ""
+    (folder / "conftest.py").write_text(OWN_HOOKS + block)
     return folder
+
+
+def _own_hooks_ran(folder: Path) -> bool:
+    """Whether the suite's own hooks ran: pytest_configure, and each runtest hook for every test (the call
+    hook where the setup passed)."""
+    ran = set((folder / "hooks.log").read_text().splitlines())
+    phases = [
+        f"{phase} {test}"
+        for test, outcome in EXPECTED.items()
+        for phase in (("setup", "teardown") if outcome == "error" else ("setup", "call", "teardown"))
+    ]
+    return "configure" in ran and all(phase in ran for phase in phases)
 
 
 def _pytest(folder: Path, switch: str | None, *options: str) -> dict[str, str]:
@@ -110,6 +153,7 @@ def _without_output(outcomes: dict[str, str]) -> dict[str, str]:
 
 
 EXPECTED = {
+    "test_seeded_by_the_suites_own_call_hook": "passed",
     "test_innocent": "passed",
     "test_leaks": "failed",
     "test_after_the_leak_starts_clean": "passed",
@@ -136,8 +180,10 @@ def test_the_documented_conftest_fails_exactly_the_leaking_test_and_fixture(
     tmp_path: Path, options: tuple[str, ...]
 ) -> None:
     # BNB_GC_FIX unset and the start-up hook installed: the block switches the fix off by itself.
-    checked = _pytest(_suite(tmp_path / "checked", with_conftest=True), None, *options)
+    folder = _suite(tmp_path / "checked", with_conftest=True)
+    checked = _pytest(folder, None, *options)
     assert _without_output(checked) == EXPECTED, checked["output"]
+    assert _own_hooks_ran(folder)  # beside the block's, the suite's own hooks (its control: the runs below)
     output = checked["output"]
     # Two reports, each heading its own section (the summary's lines repeat them as wide as the terminal).
     reports = [line for line in output.splitlines() if line.startswith(LEFT_ON)]
@@ -146,8 +192,10 @@ def test_the_documented_conftest_fails_exactly_the_leaking_test_and_fixture(
     if options != ONE_PROCESS:
         return
     # The controls: without the block, the fix (on by default) hides the leak: a false all-clear...
-    hidden = _without_output(_pytest(_suite(tmp_path / "hidden", with_conftest=False), None))
+    hidden_folder = _suite(tmp_path / "hidden", with_conftest=False)
+    hidden = _without_output(_pytest(hidden_folder, None))
     assert hidden["test_leaks"] == hidden["test_uses_the_model"] == "passed", hidden
+    assert _own_hooks_ran(hidden_folder) and hidden["test_seeded_by_the_suites_own_call_hook"] == "passed"
     # ...and with the fix off, nothing catches the leak, which poisons the tests after it.
     poisoned = _pytest(_suite(tmp_path / "poisoned", with_conftest=False), "0")
     assert _without_output(poisoned)["test_leaks"] == "passed", poisoned["output"]

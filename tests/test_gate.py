@@ -15,6 +15,7 @@ from conftest import AFFECTED, FIX, run_code, tiny_olmoe, tiny_olmoe_control
 @pytest.mark.stack
 def test_tiny_olmoe_with_fix_ends_every_step_at_zero(record_property: Any) -> None:
     run = tiny_olmoe("--steps", "5", "--import-fix")
+    record_property("matrix", json.dumps("fix"))  # the stack cells' row in docs/matrix.md
     record_property("counters", [s["counter"] for s in run.steps])
     record_property("state", json.dumps(run.summary["state"]))
     assert len(run.steps) == 5
@@ -29,6 +30,7 @@ def test_tiny_olmoe_with_fix_ends_every_step_at_zero(record_property: Any) -> No
 def test_tiny_olmoe_control_leaks_without_fix(record_property: Any) -> None:
     run = tiny_olmoe_control()
     counters = [s["counter"] for s in run.steps]
+    record_property("matrix", json.dumps("control"))
     record_property("counters", counters)
     assert run.summary["turned_on_by"] is None
     if not AFFECTED:  # upstream's fix (>= 0.50): no leak even without the package

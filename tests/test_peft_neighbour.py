@@ -82,7 +82,9 @@ def peft_old() -> Path:
 
 def _scenario(folders: list[Path], switch: str | None, *flags: str) -> Run:
     env = environment(switch, PYTHONPATH=":".join(str(f) for f in folders))
-    run = run_python([str(SCENARIO), *flags], env=env)
+    run = run_python(
+        [str(SCENARIO), *flags], env=env, fresh="another PEFT (and bitsandbytes) first on PYTHONPATH"
+    )
     assert run.returncode == 0, f"peft_experts failed:\n{run.stdout}\n{run.stderr}"
     return run
 

@@ -2,18 +2,22 @@
 ``.ci/run`` runs, its first screen says who is affected in a user's words and its table the releases the
 package states, it explains every state word status can print, the matrix table is
 rendered from the committed results, and every console block of README.md and docs/*.md is what its
-commands print now (each run here, in fresh processes)."""
+commands print now. This file is where the console blocks are checked (``scripts/readme_table.py --check``
+checks the matrix): each ``bnb-gc-fix`` command is the same run test_command_line.py reads (conftest's
+``command``), each ``python -c`` command runs forked from the warm parent where it imports torch or
+bitsandbytes, in a fresh interpreter where it imports neither."""
 
 from __future__ import annotations
 
 import copy
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, command, environment, run_python
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import readme_table
@@ -109,6 +113,38 @@ def test_every_console_block_is_generated() -> None:
         assert not readme_table.ungenerated_console_fences(document.read_text()), document
 
 
+def _printed(line: str, previous: int) -> tuple[int, list[str]]:
+    """What a console block's command prints (stdout, then stderr, without the lines torch and
+    bitsandbytes print on their own), and its exit code; ``previous`` is the one before (``echo $?``)."""
+    if line == "echo $?":
+        return previous, [str(previous)]
+    words = shlex.split(line)
+    settings = [word for word in words if "=" in word.split(" ")[0] and word[:1].isupper()]
+    switches = dict(setting.split("=", 1) for setting in settings)
+    program, *args = words[len(settings) :]
+    assert set(switches) <= {"BNB_GC_FIX"}, f"a console block's command sets {switches}"
+    switch = switches.get("BNB_GC_FIX")
+    if program == "bnb-gc-fix":
+        code, out, err = command(*args, switch=switch)
+    else:
+        assert program == "python" and args[0] == "-c", f"a console block runs {program} {args[:1]}"
+        imports_torch = "torch" in args[1] or "bitsandbytes" in args[1]
+        fresh = None if imports_torch else "a command that imports neither torch nor bitsandbytes"
+        run = run_python(args, env=environment(switch), fresh=fresh)
+        code, out, err = run.returncode, run.stdout, run.stderr
+    printed = (out + err).splitlines()
+    return code, [line for line in printed if not any(noise in line for noise in readme_table.FOREIGN)]
+
+
+def _console_now(block: str) -> str:
+    """The console block's commands, and what each prints now."""
+    lines, previous = [], 0
+    for command_line in [line[2:] for line in block.splitlines() if line.startswith("$ ")]:
+        previous, printed = _printed(command_line, previous)
+        lines += [f"$ {command_line}", *printed]
+    return "\n".join(lines) + "\n"
+
+
 @pytest.mark.parametrize(
     ("document", "name"), BLOCKS, ids=[f"{document.name}:{name}" for document, name in BLOCKS]
 )
@@ -119,8 +155,9 @@ def test_console_block_is_what_its_commands_print(document: Path, name: str) -> 
             f"the console blocks were generated with {recorded}, this environment is {here}: they are "
             "compared in the Quick start's environment (constraints.txt; CI runs it)"
         )
-    committed, now = readme_table.block_now(document, name)
-    assert committed == now, (
-        f"{document.name}'s {name} is not what its commands print now; run scripts/readme_table.py\n"
-        + readme_table.show_diff(document, committed, now)
-    )
+    for committed in readme_table.fences(document.read_text(), name):
+        now = _console_now(committed)
+        assert readme_table.comparable(committed) == readme_table.comparable(now), (
+            f"{document.name}'s {name} is not what its commands print now; run scripts/readme_table.py\n"
+            + readme_table.show_diff(document, committed, now)
+        )

@@ -118,6 +118,7 @@ def test_start_up_hook_fixes_a_script_that_never_imports_the_package(
 ) -> None:
     counters, cache, summary = _copied_scenario(tmp_path, None)
     record_property("counters", json.dumps(counters))
+    record_property("matrix", json.dumps("fix"))  # the wheel cell's row in docs/matrix.md
     assert counters == [0] * STEPS and cache[-1] == 0
     assert summary["bnb_gc_fix_imported"] is True and summary["turned_on_by"] == "the start-up hook", summary
 
@@ -128,13 +129,15 @@ def test_control_switched_off_leaks_and_never_imports_the_package(
 ) -> None:
     counters, cache, summary = _copied_scenario(tmp_path, "0")
     record_property("counters", json.dumps(counters))
+    record_property("matrix", json.dumps("control"))
     assert len(counters) == STEPS and max(counters) > 0 and cache[-1] > 0, counters
     assert summary["bnb_gc_fix_imported"] is False, summary
 
 
 def test_console_script_status_json(tmp_path: Path) -> None:
     console = str(Path(sys.executable).parent / "bnb-gc-fix")
-    result = run_python(["status", "--json"], executable=console, cwd=tmp_path)
+    fresh = "the console script the wheel installed"
+    result = run_python(["status", "--json"], executable=console, cwd=tmp_path, fresh=fresh)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
     assert facts["on"] is True and facts["state"] == "not affected"  # the command quantizes nothing

@@ -17,9 +17,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, ROOT, SCENARIOS, bare_venv, environment, run_python
+from conftest import (
+    AFFECTED,
+    ROOT,
+    SCENARIOS,
+    bare_venv,
+    cli_calls,
+    command,
+    environment,
+    run_python,
+    unwrapped,
+)
 
 pytestmark = pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: a leak to fix")
+FRESH = "a venv of its own, whose site-packages holds no start-up hook"
 
 # A training script that never imports the package; its last line says what happened.
 TRAIN = f"""
@@ -46,7 +57,7 @@ def _train(python: Path, folders: list[Path], script: str, tmp_path: Path) -> di
     path = tmp_path / "train.py"
     path.write_text(script)
     env = environment(PYTHONPATH=os.pathsep.join(map(str, folders)))
-    run = run_python([str(path)], env=env, executable=str(python), cwd=tmp_path)
+    run = run_python([str(path)], env=env, executable=str(python), cwd=tmp_path, fresh=FRESH)
     assert run.returncode == 0, run.stderr
     return dict(run.last_json)
 
@@ -79,7 +90,11 @@ def test_the_package_there_is_the_installed_one(elsewhere: tuple[Path, Path], tm
     python, target = elsewhere
     code = "import bnb_gc_fix, json; print(json.dumps(bnb_gc_fix.__file__))"
     out = run_python(
-        ["-c", code], env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path
+        ["-c", code],
+        env=environment(PYTHONPATH=str(target)),
+        executable=str(python),
+        cwd=tmp_path,
+        fresh=FRESH,
     )
     assert json.loads(out.stdout) == str(target / "bnb_gc_fix" / "__init__.py")
 
@@ -88,15 +103,9 @@ def test_status_says_where_the_start_up_hook_did_not_run(
     elsewhere: tuple[Path, Path], tmp_path: Path
 ) -> None:
     python, target = elsewhere
-    command = ["-m", "bnb_gc_fix", "status", "--json"]
-    there = run_python(command, env=environment(PYTHONPATH=str(target)), executable=str(python), cwd=tmp_path)
-    here = run_python(command, env=environment(), cwd=tmp_path)  # the control: this environment runs it
-    assert json.loads(there.stdout)["start_up_hook_ran"] is False
-    assert json.loads(here.stdout)["start_up_hook_ran"] is True
-    text = run_python(
-        ["-m", "bnb_gc_fix", "status"],
-        env=environment(PYTHONPATH=str(target)),
-        executable=str(python),
-        cwd=tmp_path,
-    ).stdout
-    assert "the start-up hook did not run in this process" in text
+    env = environment(PYTHONPATH=str(target))
+    there, text = cli_calls(["status", "--json"], ["status"], env=env, executable=str(python), fresh=FRESH)
+    _, here, _ = command("status", "--json")  # the control: this environment runs it
+    assert json.loads(there[1])["start_up_hook_ran"] is False
+    assert json.loads(here)["start_up_hook_ran"] is True
+    assert "the start-up hook did not run in this process" in unwrapped(text[1])
