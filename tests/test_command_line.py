@@ -29,11 +29,12 @@ INTERNALS = ("Traceback", "CannotRunError", "_positive", "command_name", "_cmd_"
 # One interpreter per path: its setup code sets the path up for real (an import blocked by a meta-path
 # finder, a CPU-only torch asked for CUDA, ...), then `check --json` and `check` both run in it.
 
-# A library that cannot be imported here, as where it is not installed: its modules forgotten (a warm
-# process imported torch and bitsandbytes already), and a finder that answers "no such module".
-BLOCK = """
+# A library that cannot be imported here, as where it is not installed: its modules forgotten, with those
+# of the libraries that need it (a warm process imported them all), and a finder that answers "no such
+# module" for it.
+_BLOCK = """
 import sys
-for imported in [each for each in sys.modules if each == {name!r} or each.startswith({name!r} + ".")]:
+for imported in [each for each in sys.modules if each.split(".")[0] in {forgotten!r}]:
     del sys.modules[imported]
 class Block:
     def find_spec(self, name, path=None, target=None):
@@ -41,6 +42,15 @@ class Block:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
 sys.meta_path.insert(0, Block())
 """
+
+
+def blocked(name: str) -> str:
+    """Setup code for a process where ``name`` cannot be imported."""
+    top = name.split(".")[0]
+    needs = {"torch": ("torch", "bitsandbytes", "transformers")}.get(top, (top,))
+    forgotten = needs if name == top else ()
+    return _BLOCK.format(name=name, forgotten=forgotten)
+
 
 PATHS = {
     # CUDA asked for on this machine's CPU-only torch build.
@@ -51,16 +61,15 @@ PATHS = {
         ["--device", "cuda"],
         "no CUDA device is available",
     ),
-    "torch-missing": (BLOCK.format(name="torch"), [], "torch is not installed; install torch"),
+    "torch-missing": (blocked("torch"), [], "torch is not installed; install torch"),
     "torch-too-old": ("import torch; torch.__version__ = '2.0.1'\n", [], "torch 2.0.1 is too old"),
     "bitsandbytes-missing": (
-        BLOCK.format(name="bitsandbytes"),
+        blocked("bitsandbytes"),
         [],
         "bitsandbytes is not installed; install bitsandbytes to run the check (bitsandbytes >= 0.48.0)",
     ),
     "bitsandbytes-too-old": (
-        BLOCK.format(name="bitsandbytes.nn.parametrize")
-        + "import bitsandbytes; bitsandbytes.__version__ = '0.47.0'\n",
+        blocked("bitsandbytes.nn.parametrize") + "import bitsandbytes; bitsandbytes.__version__ = '0.47.0'\n",
         [],
         "bitsandbytes 0.47.0 has no bitsandbytes.nn.parametrize",
     ),
@@ -256,7 +265,7 @@ def test_status_command_and_its_json_on_this_stack() -> None:
 
 
 def test_status_command_without_torch_says_so() -> None:
-    code = BLOCK.format(name="torch") + "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
+    code = blocked("torch") + "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
     said = unwrapped(result.stdout)
@@ -267,7 +276,7 @@ def test_status_command_without_torch_says_so() -> None:
 
 def test_status_command_without_bitsandbytes_says_so() -> None:
     status_command = "from bnb_gc_fix.cli import main\nraise SystemExit(main(['status']))"
-    code = BLOCK.format(name="bitsandbytes") + status_command
+    code = blocked("bitsandbytes") + status_command
     result = run_python(["-c", code])
     assert result.returncode == 0, result.stderr
     said = unwrapped(result.stdout)

@@ -45,7 +45,7 @@ from typing import Any, Callable, Union
 import torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -667,6 +667,9 @@ IDLE = ((Yield(),),)
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument(
+        "--no-shrink", action="store_true", help="stop at the first falsifying program (the control's run)"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     nodes = [quantize(Node(i)) for i in range(MODULES)]  # type: ignore[arg-type]
@@ -683,6 +686,7 @@ def main() -> int:
         max_examples=args.examples,
         deadline=None,
         derandomize=True,  # the same programs on every run: a failure is reproducible, never flaky
+        phases=[Phase.explicit, Phase.generate] + ([] if args.no_shrink else [Phase.shrink]),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         database=None,
     )
