@@ -12,6 +12,7 @@ from typing import Any
 
 PARAMETRIZE = "torch.nn.utils.parametrize"
 
+
 def parametrize() -> Any:
     """torch's parametrize module, or None while nothing has imported it."""
     return sys.modules.get(PARAMETRIZE)

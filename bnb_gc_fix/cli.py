@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 from _bnb_gc_fix import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, try_import
-from bnb_gc_fix.lines import labelled, wrap
+from bnb_gc_fix.lines import counted, labelled, wrap
 from bnb_gc_fix.releases import predates
 from bnb_gc_fix.status import NOT_AFFECTED, Status, status
 
@@ -120,7 +120,7 @@ def _print_check(result: Any, current: Status) -> None:
         print(f"{step.step:>4}  {step.counter:>7}  {step.cache_bytes:>11}")
     adapter = "an adapter trained through the quantized experts:"
     if result.adapter_error is None:
-        print(f"{adapter} {result.adapter_steps} steps ran")
+        print(f"{adapter} {counted(result.adapter_steps, 'step')} ran")
     else:
         print(wrap(f"{adapter} step {result.adapter_steps + 1} died: {result.adapter_error}", indent="  "))
     print(wrap(_verdict(result), indent="  "))

@@ -14,10 +14,15 @@ INDENT = " " * 7
 
 #: What status and the safety nets say of the switch-ons that the fix's own forwards do not account for.
 NOT_THE_FIXS = (
-    "bnb-gc-fix cannot tell what switched them on (a P.cached() block still open, a forward running on "
-    "another thread or begun before the fix was on, bitsandbytes' own hooks where the fix is off). If "
+    "bnb-gc-fix cannot tell what switched the cache on (a P.cached() block still open, a forward running "
+    "on another thread or begun before the fix was on, bitsandbytes' own hooks where the fix is off). If "
     "nothing keeps the cache on on purpose, bnb_gc_fix.reset() switches it off once nothing runs."
 )
+
+
+def counted(number: int, thing: str) -> str:
+    """``1 module``, ``2 modules``."""
+    return f"{number} {thing}" if number == 1 else f"{number} {thing}s"
 
 
 def wrap(text: str, indent: str = INDENT, width: int = WIDTH) -> str:

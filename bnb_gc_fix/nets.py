@@ -19,7 +19,7 @@ from types import TracebackType
 
 from bnb_gc_fix import cache
 from bnb_gc_fix.errors import CacheLeakError, CacheLeakWarning, logger, warn
-from bnb_gc_fix.lines import NOT_THE_FIXS, message
+from bnb_gc_fix.lines import NOT_THE_FIXS, counted, message
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,16 @@ class Ending:
         parts = []
         if self.given_back:
             parts.append(
-                f"{self.given_back} forwards switched the cache on in {where} and were stopped before they "
-                "switched it off (by KeyboardInterrupt, SystemExit or another BaseException that is not an "
-                "Exception: torch runs no forward hook then). The fix switched it off for them (the cache "
-                f"held {self.cached_bytes} bytes)."
+                f"{counted(self.given_back, 'forward')} in {where} switched the cache on and stopped before "
+                "switching it off (by KeyboardInterrupt, SystemExit or another BaseException that is not an "
+                "Exception: torch runs no forward hook then). The fix switched it off "
+                f"({self.cached_bytes} bytes were cached)."
             )
         if self.left:
             parts.append(
                 f"The counter stays {self.left} above where it was when {where} began: {NOT_THE_FIXS}"
             )
-        return message(f"{who}: {where} left torch's parametrization cache switched on.", " ".join(parts))
+        return message(f"{who}: {where} left the cache switched on.", " ".join(parts))
 
     def tell(self, who: str, where: str, strict: bool) -> None:
         """Log the report and warn (a :class:`CacheLeakWarning`); with ``strict``, raise a

@@ -15,7 +15,7 @@ from typing import Any
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
 from bnb_gc_fix import activation, cache, census, releases
-from bnb_gc_fix.lines import NOT_THE_FIXS, labelled
+from bnb_gc_fix.lines import NOT_THE_FIXS, counted, labelled
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
 UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's code, the fix not in it
@@ -44,6 +44,7 @@ class Status:
     turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
     switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
+    deactivated: bool  # whether deactivate() switched the fix off (it stays off until activate())
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     held_by_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
@@ -94,12 +95,13 @@ class Status:
     def fix_line(self, who_turned_it_on: bool = True) -> str:
         switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
         if self.turned_on_by is None:
-            text = f"off ({switch})"
+            text = f"off (deactivate() switched it off; {switch})" if self.deactivated else f"off ({switch})"
         elif who_turned_it_on:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
         else:
             text = f"on ({switch})"
-        return labelled("fix", text + self._start_up_hook_text())
+        said_the_hook = who_turned_it_on and self.turned_on_by == activation.STARTUP_HOOK
+        return labelled("fix", text if said_the_hook else text + self._start_up_hook_text())
 
     def _start_up_hook_text(self) -> str:
         if not self.start_up_hook_ran:
@@ -107,8 +109,6 @@ class Status:
                 "; the start-up hook did not run in this process, so a process here that never imports "
                 "bnb_gc_fix gets no fix (docs/reference.md: where the start-up hook cannot run)"
             )
-        if self.turned_on_by == activation.STARTUP_HOOK:
-            return ""  # said already
         return "; the start-up hook ran in this process"
 
     def cache_line(self) -> str:
@@ -118,7 +118,7 @@ class Status:
         text = f"{switched}, counter {self.counter}, {self.cache_bytes} bytes"
         others = self.counter - self.held_by_the_fix
         if others > 0:
-            text += f"; {others} of the counter's switch-ons are not the fix's own forwards: {NOT_THE_FIXS}"
+            text += f"; the fix's own forwards account for {self.held_by_the_fix} of it: {NOT_THE_FIXS}"
         return labelled("cache", text)
 
     def __str__(self) -> str:
@@ -205,7 +205,9 @@ def _where_the_fix_is_not(library: Library) -> tuple[str, str, int]:
     why = _why_the_fix_is_not_in(library)
     leaking = _quantized_with(library)
     if leaking:
-        return UNPROTECTED, f"{leaking} modules quantized with {library.quantizer} leak this way: {why}", 0
+        verb = "leaks" if leaking == 1 else "leak"
+        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer}"
+        return UNPROTECTED, f"{quantized} {verb} this way: {why}", 0
     return NOT_AFFECTED, f"{_nothing_quantized(library)}. Weights quantized that way would leak: {why}", 0
 
 
@@ -216,11 +218,8 @@ def _where_the_fix_is(library: Library) -> tuple[str, str, int]:
             library
         )  # quantized before the fix turned on: covered at their next forward
     if covered:
-        return (
-            PROTECTED,
-            f"the fix covers the {covered} modules quantized here with {library.quantizer}",
-            covered,
-        )
+        quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer}"
+        return PROTECTED, f"the fix covers {quantized}", covered
     return NOT_AFFECTED, _nothing_quantized(library), 0
 
 
@@ -255,6 +254,7 @@ def status() -> Status:
         turned_on_by=activation.fix.turned_on_by,
         switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
+        deactivated=activation.fix.deactivated,
         counter=counter,
         cache_bytes=cache_bytes,
         held_by_the_fix=_held_by_the_fix(),

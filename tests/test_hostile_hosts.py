@@ -351,7 +351,7 @@ def test_an_import_hook_in_front_hides_bitsandbytes_and_the_import_covers_it(swi
     if switch is None:
         assert out["by"] == "import bnb_gc_fix"  # not credited to the start-up hook
         # The module quantized before the import is covered, from its next forward.
-        assert out["state"] == "protected" and "covers the 1 modules quantized here" in out["reason"]
+        assert out["state"] == "protected" and "covers 1 module quantized here" in out["reason"]
         assert out["before"] == out["after"] == [0, 0, 0]
     else:
         assert (out["by"], out["state"]) == (None, "unprotected")
@@ -484,7 +484,7 @@ def test_safety_nets_leave_a_block_entered_during_the_step_and_report_it(net: st
     assert len(said) == 1, fixed.stderr
     report = unwrapped(said[0])
     assert "stays 1 above where it was" in report and "cannot tell what switched them on" in report
-    assert "forwards switched the cache on" not in report
+    assert "switched the cache on and stopped" not in report
 
 
 # What a KeyboardInterrupt leaves inside a guarded step, with a hold taken before the step (a P.cached()
@@ -510,7 +510,7 @@ def test_guard_gives_back_only_what_the_step_left() -> None:
     out = run_code(GUARDED_INTERRUPT, prelude="scenarios").last_json
     assert out["counter"] == 1  # the step's stuck hold given back, the earlier one kept
     [message] = out["warnings"]
-    assert "1 forwards switched the cache on in the step" in unwrapped(message) and "stays" not in message
+    assert "1 forward in the step switched the cache on" in unwrapped(message) and "stays" not in message
 
 
 def test_guard_with_the_fix_off_reports_and_leaves_the_counter_as_the_control_does() -> None:
@@ -520,7 +520,7 @@ def test_guard_with_the_fix_off_reports_and_leaves_the_counter_as_the_control_do
     assert out["counter"] == control.last_json["counter"] == 2  # bitsandbytes' own +1 stays, as there
     [message] = out["warnings"]
     assert "stays 1 above where it was when the step began" in unwrapped(message)
-    assert "forwards switched the cache on" not in unwrapped(message)
+    assert "switched the cache on and stopped" not in unwrapped(message)
 
 
 # Issue 36's finding 3: a strict guard inside a compiled forward, where nothing leaks.

@@ -72,10 +72,7 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     assert "nothing here has quantized weights with replace_parameter_4bit so far" in imported["reason"]
     assert imported["counter"] == 0  # torch (and its parametrize) imported now
     assert (seen["quantized"]["state"], seen["quantized"]["covered"]) == ("protected", 1)
-    assert (
-        "the fix covers the 1 modules quantized here with replace_parameter_4bit"
-        in seen["quantized"]["reason"]
-    )
+    assert "the fix covers 1 module quantized here with replace_parameter_4bit" in seen["quantized"]["reason"]
     assert seen["activated again"]["reason"] == seen["quantized"]["reason"]
     assert seen["step"]["counter"] == 0 and seen["step"]["cache_bytes"] == 0
     leaking = seen["off, leaking step"]

@@ -472,7 +472,7 @@ def guarded(world: World, me: int, step: Guarded, x: Any) -> None:
             oracle.failures.append(f"guard: {reports} where it gave back {given} and {stays} stay")
         else:
             said = (
-                _reported(reports[0], r"(\d+) forwards switched the cache on"),
+                _reported(reports[0], r"(\d+) forwards? in .*? switched the cache on and stopped"),
                 _reported(reports[0], r"stays (\d+) above"),
             )
             if said != (given, stays):
