@@ -261,7 +261,7 @@ def enable_code(
             _P._cache_enabled += 1  # as the library's own hook does; the off hook gives it back the same way
             return
     holds = _local.holds
-    if key in holds:  # entered again on this thread: its last call ended by Ctrl-C, or calls itself
+    if key in holds:  # entered again on this thread: its last call left by Ctrl-C, or it calls itself
         _gate.give_back(1)  # (a call of itself then reads its weights again: never a leak)
     holds[key] = 0 if _compiling() else next(_tickets)
     _P._cache_enabled += 1
