@@ -79,6 +79,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(line)
     for problem in problems:
         print(labelled("import", problem))
+    if current.covered == 0:
+        print(labelled("note", "this state is the command's own; in your job, print(bnb_gc_fix.status())"))
     return 0
 
 
@@ -142,7 +144,7 @@ def _verdict(result: Any) -> str:
         )
     if result.adapter_error is not None:
         faces.append(
-            "the CheckpointError is the same leak's other face: the recompute started with the cache left on "
+            "the CheckpointError comes from the same leak: the recompute started with the cache left on "
             "and saved fewer tensors than the forward did"
         )
     return f"LEAK: {'; '.join(faces)}."

@@ -100,16 +100,18 @@ class Status:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
         else:
             text = f"on ({switch})"
-        said_the_hook = who_turned_it_on and self.turned_on_by == activation.STARTUP_HOOK
-        return labelled("fix", text if said_the_hook else text + self._start_up_hook_text())
+        return labelled("fix", text + self._elsewhere_text())
 
-    def _start_up_hook_text(self) -> str:
+    def _elsewhere_text(self) -> str:
+        """What the start-up hook means for this environment's other processes, where that is news."""
         if not self.start_up_hook_ran:
             return (
-                "; the start-up hook did not run in this process, so a process here that never imports "
-                "bnb_gc_fix gets no fix (docs/reference.md: where the start-up hook cannot run)"
+                "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
+                "fix (docs/reference.md: where the start-up hook cannot run)"
             )
-        return "; the start-up hook ran in this process"
+        if self.turned_on_by is None or self.turned_on_by == activation.STARTUP_HOOK:
+            return ""  # off here; or on by the start-up hook, which said so
+        return "; processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
 
     def cache_line(self) -> str:
         if self.counter is None:

@@ -108,4 +108,4 @@ def test_status_says_where_the_start_up_hook_did_not_run(
     _, here, _ = command("status", "--json")  # the control: this environment runs it
     assert json.loads(there[1])["start_up_hook_ran"] is False
     assert json.loads(here)["start_up_hook_ran"] is True
-    assert "the start-up hook did not run in this process" in unwrapped(text[1])
+    assert "the start-up hook did not run here, so a process that never imports" in unwrapped(text[1])
