@@ -113,7 +113,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _print_check(result: Any, current: Status) -> None:
     bitsandbytes = current.library(BITSANDBYTES.name).version
     torch = getattr(sys.modules.get("torch"), "__version__", None)
-    print(f"bnb-gc-fix check: bitsandbytes {bitsandbytes}, torch {torch}, device {result.device}")
+    versions = f"bitsandbytes {bitsandbytes}, torch {torch}"
+    print(f"bnb-gc-fix check: a small model of its own, device {result.device} ({versions})")
     print(result.status_line)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
     print(current.fix_line(who_turned_it_on=False))  # this command's own import turned the fix on
     print("the routers trained, the quantized experts frozen; the cache after each step:")

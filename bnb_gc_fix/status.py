@@ -161,13 +161,14 @@ def _quantized_with(library: Library) -> int:
 
 
 def _nothing_quantized(library: Library) -> str:
-    said = f"nothing here has quantized weights with {library.quantizer} so far"
+    said = f"nothing in this process has quantized weights with {library.quantizer} so far"
     version = releases.version_of(library.name)
+    notes = []
     if releases.affected(library, version):
-        said = f"{library.name} {version} leaks this way, but {said}"
+        notes.append(f"only such weights leak, in {library.name} {version}")
     if library is BITSANDBYTES:
-        said += " (BitsAndBytesConfig's Linear4bit layers never use the cache)"
-    return said
+        notes.append("BitsAndBytesConfig's Linear4bit layers never use the cache")
+    return f"{said} ({'; '.join(notes)})" if notes else said
 
 
 def _not_leaking(library: Library, named: str, version: str) -> str:
@@ -232,7 +233,7 @@ def _library_state(library: Library, version: str | None) -> tuple[str, str, int
     named = f"{library.name} {version}"
     if releases.affected(library, version) is False and not activation.fix.decisions[library.name].patched:
         return NOT_AFFECTED, _not_leaking(library, named, version), 0
-    if sys.modules.get(library.module_name) is None:
+    if sys.modules.get(library.module_name) is None and activation.fix.turned_on_by is not None:
         return NOT_AFFECTED, _nothing_quantized(library), 0
     if _applied(library):
         return _where_the_fix_is(library)

@@ -54,7 +54,7 @@ def test_the_readmes_who_is_affected_says_the_releases_the_package_states() -> N
     said = unwrapped((ROOT / "README.md").read_text().split("## Fix it")[0])
     releases = _releases()
     first, fixed = releases["bitsandbytes"]
-    assert f"(bitsandbytes {first}-" in said, said
+    assert f"bitsandbytes {first}-" in said, said
     major, minor = _minor(fixed)
     assert f"bitsandbytes {major}.{minor} or later" in said, said
     first, fixed = releases["axolotl"]
