@@ -256,7 +256,10 @@ def test_cli_status_lists_axolotl() -> None:
     facts = json.loads(line)
     axolotl = next(lib for lib in facts["libraries"] if lib["name"] == "axolotl")
     assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True
-    said = "axolotl 0.19.0 leaks this way, but nothing here has quantized weights with quantize_moe_experts"
+    said = (
+        "nothing in this process has quantized weights with quantize_moe_experts so far (only such weights "
+        "leak, in axolotl 0.19.0)"
+    )
     assert axolotl["state"] == "not affected" and said in axolotl["reason"]
     assert f"axolotl 0.19.0: not affected: {said}" in unwrapped(
         text
@@ -347,7 +350,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "axolotl 0.19.0 leaks this way, but nothing here has quantized weights with quantize_moe_experts "
-        "so far"
+        "nothing in this process has quantized weights with quantize_moe_experts so far (only such weights "
+        "leak, in axolotl 0.19.0)"
     ]
     assert facts["state"] == ["protected"] and facts["hooks"] == 1

@@ -483,7 +483,7 @@ def test_safety_nets_leave_a_block_entered_during_the_step_and_report_it(net: st
     said = out["warnings"] if net != "notebook" else [fixed.stderr]
     assert len(said) == 1, fixed.stderr
     report = unwrapped(said[0])
-    assert "stays 1 above where it was" in report and "cannot tell what switched them on" in report
+    assert "stays 1 above where it was" in report and "cannot tell what switched the cache on" in report
     assert "switched the cache on and stopped" not in report
 
 

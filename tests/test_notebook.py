@@ -313,7 +313,7 @@ def test_interrupted_cell_on_upstreams_pair_is_pointed_out(story: Story) -> None
     assert story.next_cell == [1, 16384]  # upstream's pair holds it: no call of the package's hooks did
     (line,) = story.interrupted.ours()
     assert "counter stays 1 above where it was when this cell began" in line
-    assert "cannot tell what switched them on" in line and "bnb_gc_fix.reset()" in line
+    assert "cannot tell what switched the cache on" in line and "bnb_gc_fix.reset()" in line
 
 
 @pytest.mark.parametrize("story", FIXED, indirect=True)

@@ -69,7 +69,10 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     # bitsandbytes 0.48-0.49 do not import their parametrize module by themselves: nothing uses it yet.
     imported = seen["after import bitsandbytes"]
     assert imported["state"] == "not affected"
-    assert "nothing here has quantized weights with replace_parameter_4bit so far" in imported["reason"]
+    assert (
+        "nothing in this process has quantized weights with replace_parameter_4bit so far"
+        in imported["reason"]
+    )
     assert imported["counter"] == 0  # torch (and its parametrize) imported now
     assert (seen["quantized"]["state"], seen["quantized"]["covered"]) == ("protected", 1)
     assert "the fix covers 1 module quantized here with replace_parameter_4bit" in seen["quantized"]["reason"]
