@@ -33,7 +33,6 @@ from __future__ import annotations
 import _thread
 import argparse
 import copy
-import gc
 import logging
 import re
 import sys
@@ -633,8 +632,7 @@ def check_programs(world: World, first: Any, second: Any, raw_thread: bool) -> N
         while opened:
             opened.pop().__exit__(None, None, None)
     world.innermost = [[] for _ in range(THREADS)]
-    del world.nodes[MODULES:]  # an earlier example's copies
-    gc.collect()
+    del world.nodes[MODULES:]  # an earlier example's copies (whenever collected, they hold nothing then)
     bnb_gc_fix.activate()  # as the program expects to start (the control's switch keeps it off)
     for node in world.nodes:  # taken over again where an earlier example's deactivate() let it go
         node(torch.zeros(1, WIDTH))
