@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
-from types import FunctionType, ModuleType
+from types import ModuleType
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import lock, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
 from bnb_gc_fix.lines import message
-from bnb_gc_fix.releases import MIN_TORCH, affected, fixed_upstream, release, version_of
+from bnb_gc_fix.releases import MIN_TORCH, affected, release, version_of
 
 IMPORT = "import bnb_gc_fix"
 STARTUP_HOOK = "the start-up hook"
@@ -169,20 +169,13 @@ def _turn_off(deactivated: bool) -> None:
     if patched:
         from bnb_gc_fix import gate, patch  # imported when the fix went in
 
-        gate.let_every_module_go(_marked_by_the_fix(patched))
-        for library in patched:
-            patch.remove(library)
+        try:
+            gate.let_every_module_go()
+        finally:  # the library's own code goes back whatever happened to the modules' marks
+            for library in patched:
+                patch.remove(library)
     for library in LIBRARIES:
         fix.decisions[library.name] = Decision(warned=fix.decisions[library.name].warned)
     fix.turned_on_by = None
     fix.deactivated = deactivated
     notebook.remove()
-
-
-def _marked_by_the_fix(patched: list[Library]) -> list[FunctionType]:
-    """The off-hook functions whose always-called mark on a module can only be the fix's: those of the
-    releases that register their off hook plain (a fixed release, forced, marks its own)."""
-    from bnb_gc_fix import patch
-
-    plain = [library for library in patched if not fixed_upstream(library, version_of(library.name))]
-    return [function for library in plain for function in patch.off_hooks(library)]

@@ -14,12 +14,13 @@ one per quantized parameter, become one pair whose forward hook torch calls alwa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Iterator
 from types import FunctionType
 from typing import Any
 
@@ -67,6 +68,12 @@ _local = _Local()
 _taken_over: dict[int, weakref.ref[torch.nn.Module]] = {}
 #: The modules let go when the fix last left: each is taken over again at its next forward with the fix on.
 _let_go: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+#: By ``id``, the modules whose collection gives back their holds (one finalizer each, however often taken
+#: over); an entry goes when its module is collected.
+_watched: set[int] = set()
+#: The keys (torch's handle ids, unique in a process) of the off hooks the fix marked always called. A
+#: deep copy or a pickle keeps a module's keys, so this marks the fix's own wherever the module went.
+_marked_keys: set[int] = set()
 
 
 def _in_a_forked_child() -> None:
@@ -155,19 +162,24 @@ def _fold(module: torch.nn.Module) -> bool:
         module._forward_hooks_with_kwargs.pop(key, None)
         always.pop(key, None)
     if not disables:
-        module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
+        handle = module.register_forward_hook(_disable_of(pre_hooks[enables[0]]), always_call=True)
+        _marked_keys.add(handle.id)
     elif disables[-1] not in always:
         always[disables[-1]] = True
+        _marked_keys.add(disables[-1])
     key = id(module)
     _taken_over[key] = weakref.ref(module)
-    collected = weakref.finalize(module, _collected, key)
-    collected.atexit = False  # nothing for a module alive at exit, or collected while the interpreter ends
+    if key not in _watched:
+        _watched.add(key)
+        collected = weakref.finalize(module, _collected, key)
+        collected.atexit = False  # nothing for a module alive at exit, or collected as the interpreter ends
     return True
 
 
 def _collected(key: int) -> None:
     """A module taken over is gone: give back every thread's hold for it."""
     _taken_over.pop(key, None)
+    _watched.discard(key)
     for holds in list(_EVERY_THREAD.values()):
         if holds.pop(key, None) is not None:
             give_back(1)
@@ -195,18 +207,17 @@ def number_holding(enable: object) -> int:
     return sum(any(hook is enable for hook in m._forward_pre_hooks.values()) for m in covered())
 
 
-def let_every_module_go(marked_by_the_fix: Collection[FunctionType]) -> None:
-    """The fix is leaving: every module alive in this process that holds one of the fix's off hooks (those
-    taken over, their deep copies, modules loaded from a pickle) gets it back as its library registers it:
-    plain, where ``marked_by_the_fix`` says the library registers it plain and the fix marked it always
-    called. Every module and every hold is then forgotten; with the fix on again, a module's next forward
-    takes it over anew."""
+def let_every_module_go() -> None:
+    """The fix is leaving: every module alive in this process whose off hook the fix marked always called
+    (those taken over, their deep copies, modules loaded from a pickle of one) gets it back as its library
+    registered it. Every module and every hold is then forgotten; with the fix on again, a module's next
+    forward takes it over anew. Never raises: an object it cannot read is left as it is."""
     off_hooks = [disable for _, disable in PAIRS]
-    for module in census.modules_holding(off_hooks, census.HOOKS):
-        always = module._forward_hooks_always_called
-        for key, hook in list(module._forward_hooks.items()):
-            if key in always and hook in marked_by_the_fix:
-                del always[key]
+    for module, hooks in census.modules_holding(off_hooks, census.HOOKS):
+        always = vars(module).get("_forward_hooks_always_called")
+        for key in [key for key in hooks if key in _marked_keys]:
+            with contextlib.suppress(Exception):  # an always-called dictionary that is not torch's
+                always.pop(key, None)
         _let_go.add(module)
     _taken_over.clear()
     forget_every_hold()
@@ -288,4 +299,4 @@ def disable_code(
     else:
         _P._cache_enabled = 0
         _P._cache = {}
-    del holds[key]
+    holds.pop(key, None)  # reset() or deactivate() on another thread may have forgotten it meanwhile

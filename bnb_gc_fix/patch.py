@@ -90,13 +90,6 @@ def apply(module: ModuleType, library: Library) -> None:
         _wrapped.setdefault(library.module_name, []).append(module)
 
 
-def off_hooks(library: Library) -> list[FunctionType]:
-    """The library's off-hook functions (DISABLE) that the fix gave its code, those a reload replaced
-    included."""
-    functions = [function for function, own in _own.items() if own.module_name == library.module_name]
-    return [function for function in functions if function.__name__ == DISABLE]
-
-
 def remove(library: Library) -> None:
     """Put the library's own code back into every hook function the fix gave its code (those a reload
     replaced included), and its own register function into every module object the fix wrapped it in

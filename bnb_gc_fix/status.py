@@ -161,7 +161,7 @@ def _quantized_with(library: Library) -> int:
 
 
 def _nothing_quantized(library: Library) -> str:
-    said = f"nothing in this process has quantized weights with {library.quantizer} so far"
+    said = f"no module in this process has weights quantized with {library.quantizer} now"
     version = releases.version_of(library.name)
     notes = []
     if releases.affected(library, version):

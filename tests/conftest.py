@@ -1,4 +1,5 @@
-"""Shared helpers: every scenario runs in a fresh interpreter, so global state never leaks between tests."""
+"""Shared helpers: every scenario runs in a process of its own, forked from a warm parent or a fresh
+interpreter, so global state never leaks between tests."""
 
 from __future__ import annotations
 
@@ -160,16 +161,14 @@ def environment(switch: str | None = None, **extra: str) -> dict[str, str]:
 # run_python(..., fresh="why").
 
 WARM_PARENT = Path(__file__).resolve().parent / "warm_parent.py"
-# Environment variables read while an interpreter starts or imports torch, bitsandbytes or transformers:
-# a scenario that sets one of them otherwise than the warm parent's environment needs a fresh interpreter.
-_READ_AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "OPENBLAS", "TORCH", "PYTORCH", "CUDA", "LD_", "HF_")
-_READ_AT_START += ("TRANSFORMERS", "TOKENIZERS", "BNB_")
 
 
-def _read_at_start(name: str) -> bool:
-    if name == "BNB_GC_FIX" or name.startswith("BNB_GC_FIX_"):
-        return False
-    return name.startswith(_READ_AT_START)
+def _read_by_the_scenario(name: str) -> bool:
+    """The variables a warm child reads only once it is the scenario (the start-up hook and the package
+    read BNB_GC_FIX there; pytest sets PYTEST_CURRENT_TEST anew for each test): any other may have been
+    read as the parent started or imported its libraries, so a scenario that sets it otherwise than the
+    parent's environment needs a fresh interpreter."""
+    return name in ("BNB_GC_FIX", "PYTEST_CURRENT_TEST") or name.startswith("BNB_GC_FIX_")
 
 
 class WarmParent:
@@ -199,9 +198,11 @@ class WarmParent:
         self.unusable: str | None = None  # why this parent cannot serve: then every scenario runs fresh
 
     def differs_at_start(self, env: dict[str, str]) -> list[str]:
-        """The variables read at start that ``env`` sets otherwise than this parent's environment."""
+        """The variables that ``env`` sets otherwise than this parent's environment, where the parent may
+        have read them already."""
         names = set(env) | set(self.env)
-        return sorted(name for name in names if _read_at_start(name) and env.get(name) != self.env.get(name))
+        differ = [name for name in names if env.get(name) != self.env.get(name)]
+        return sorted(name for name in differ if not _read_by_the_scenario(name))
 
     def _reply(self, timeout: float) -> dict[str, Any] | None:
         """The parent's next reply, or None when ``timeout`` passed first."""
@@ -538,6 +539,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def startup_hook_installed() -> None:
     """The suite tests the real start-up hook: the package must be installed (pip install -e .)."""
-    result = run_code("import sys; print('_bnb_gc_fix' in sys.modules)")
+    result = run_code("import sys; print('_bnb_gc_fix' in sys.modules)", fresh="what interpreter start ran")
     if result.stdout.strip() != "True":
         pytest.fail("zz_bnb_gc_fix.pth was not processed at start-up: install the package (pip install -e .)")

@@ -318,7 +318,7 @@ print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, 
 @pytest.mark.parametrize(
     ("cancel", "reason"),
     [
-        ("nothing", "nothing in this process has quantized weights with replace_parameter_4bit so far"),
+        ("nothing", "no module in this process has weights quantized with replace_parameter_4bit now"),
         ("deactivate", "the fix is off (deactivate() switched it off"),
         ("switched-off-and-read", "the fix is off (BNB_GC_FIX='off'"),
     ],

@@ -257,7 +257,7 @@ def test_cli_status_lists_axolotl() -> None:
     axolotl = next(lib for lib in facts["libraries"] if lib["name"] == "axolotl")
     assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True
     said = (
-        "nothing in this process has quantized weights with quantize_moe_experts so far (only such weights "
+        "no module in this process has weights quantized with quantize_moe_experts now (only such weights "
         "leak, in axolotl 0.19.0)"
     )
     assert axolotl["state"] == "not affected" and said in axolotl["reason"]
@@ -350,7 +350,7 @@ def test_moe_quant_import_failing_mid_way_is_decided_on_the_next_import() -> Non
     )
     assert "accelerate blocked" in facts["failed"]
     assert facts["waiting"] == [
-        "nothing in this process has quantized weights with quantize_moe_experts so far (only such weights "
+        "no module in this process has weights quantized with quantize_moe_experts now (only such weights "
         "leak, in axolotl 0.19.0)"
     ]
     assert facts["state"] == ["protected"] and facts["hooks"] == 1

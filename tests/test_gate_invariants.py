@@ -137,6 +137,26 @@ def test_clamp_keeps_a_stray_disable_at_zero_after_a_reset() -> None:
     assert run_code(CLAMP_AFTER_RESET, prelude="scenarios", switch=FIX).last_json == {"inside": 0}
 
 
+# Code of someone else's that puts torch's counter to 0 inside a quantized forward (a library resetting
+# the cache by hand): at the forward's end the fix's off hook gives its call's hold back, clamped at 0;
+# the control, bitsandbytes' own plain pair, goes to -1.
+ZEROED_INSIDE_A_FORWARD = """
+import torch
+import torch.nn.utils.parametrize as P
+import bnb_gc_fix, quantized
+module = quantized.make(params=1)
+module.trainable.register_forward_hook(lambda *_: setattr(P, "_cache_enabled", 0))
+module(torch.randn(2, 64))
+print(json.dumps(quantized.counter()))
+"""
+
+
+def test_the_off_hook_clamps_a_counter_zeroed_inside_the_forward() -> None:
+    assert run_code(ZEROED_INSIDE_A_FORWARD, prelude="scenarios", switch=FIX).last_json == 0
+    control = run_code(ZEROED_INSIDE_A_FORWARD, prelude="scenarios", switch="0").last_json
+    assert control == (-1 if AFFECTED else 0)  # 0.50 clamps its own
+
+
 COLLECTED = """
 import gc, torch, weakref
 import bnb_gc_fix, quantized

@@ -70,7 +70,7 @@ def test_status_state_counter_and_cache_bytes_through_a_script() -> None:
     imported = seen["after import bitsandbytes"]
     assert imported["state"] == "not affected"
     assert (
-        "nothing in this process has quantized weights with replace_parameter_4bit so far"
+        "no module in this process has weights quantized with replace_parameter_4bit now"
         in imported["reason"]
     )
     assert imported["counter"] == 0  # torch (and its parametrize) imported now

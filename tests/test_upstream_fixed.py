@@ -91,7 +91,7 @@ def test_force_status_reason_says_why(bnb_050: Path) -> None:
     # Nothing quantized in the command's own process: not affected, and the fix is in bitsandbytes' code.
     assert facts["state"] == "not affected" and facts["libraries"][0]["affected"] is False
     assert (
-        "nothing in this process has quantized weights with replace_parameter_4bit so far" in facts["reason"]
+        "no module in this process has weights quantized with replace_parameter_4bit now" in facts["reason"]
     )
 
 

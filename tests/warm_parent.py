@@ -49,13 +49,22 @@ def _preload() -> None:
             pass
 
 
+def _threads() -> int:
+    """The threads of this process, the native ones included where the system lists them."""
+    tasks = "/proc/self/task"
+    return len(os.listdir(tasks)) if os.path.isdir(tasks) else threading.active_count()
+
+
 def _pristine() -> str | None:
     """What makes this process unlike a fresh interpreter's start, if anything."""
     imported = [name for name in NOT_HERE if name in sys.modules]
     if imported:
         return f"imported already: {imported}"
-    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+    if threading.active_count() != 1 or _threads() != 1:
         return "a thread besides the main one is running: forking would strand it"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "CUDA is initialized: a forked child could not use it"
     return None
 
 
@@ -102,12 +111,9 @@ def _run(argv: list[str]) -> int:
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
-    try:
-        import _bnb_gc_fix
-
-        _bnb_gc_fix.install()  # as zz_bnb_gc_fix.pth does (it raises nothing)
-    except ImportError:  # the package is not installed in this environment
-        pass
+    startup = sys.modules.get("_bnb_gc_fix")
+    if startup is not None and startup.started:  # this environment runs the .pth file: so would the child
+        startup.install()  # as zz_bnb_gc_fix.pth does (it raises nothing)
     try:
         if argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
