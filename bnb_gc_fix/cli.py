@@ -104,7 +104,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         payload.update(error=error, exit_code=code, status=current.as_dict())
         _print_json(payload)
     elif result is None:
-        print(f"bnb-gc-fix check: cannot run: {error}", file=sys.stderr)
+        print(wrap(f"bnb-gc-fix check: cannot run: {error}", indent="  "), file=sys.stderr)
     else:
         _print_check(result, current)
     return code
@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     status_command.set_defaults(func=_cmd_status)
     check = commands.add_parser(
         "check",
-        help="train a small random model both ways the leak shows; exit 0 protected, 1 leak, 2 cannot run",
+        help="train a small model of its own both ways the leak shows; exit 0 no leak, 1 leak, 2 cannot run",
     )
     check.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     check.add_argument("--steps", type=_steps, default=4, help="optimizer steps (default 4)")

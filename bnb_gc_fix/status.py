@@ -47,7 +47,7 @@ class Status:
     deactivated: bool  # whether deactivate() switched the fix off (it stays off until activate())
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
-    held_by_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
+    from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
 
     @property
     def worst(self) -> LibraryStatus:
@@ -118,16 +118,16 @@ class Status:
             return labelled("cache", "not in use (torch's parametrize module is not imported)")
         switched = "on" if self.counter else "off"
         text = f"{switched}, counter {self.counter}, {self.cache_bytes} bytes"
-        others = self.counter - self.held_by_the_fix
+        others = self.counter - self.from_the_fix
         if others > 0:
-            text += f"; the fix's own forwards account for {self.held_by_the_fix} of it: {NOT_THE_FIXS}"
+            text += f"; the fix's own forwards account for {self.from_the_fix} of it: {NOT_THE_FIXS}"
         return labelled("cache", text)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
 
-def _held_by_the_fix() -> int:
+def _from_the_fix() -> int:
     gate = cache.gate_if_imported()
     return 0 if gate is None else int(gate.held_by_every_thread())
 
@@ -260,5 +260,5 @@ def status() -> Status:
         deactivated=activation.fix.deactivated,
         counter=counter,
         cache_bytes=cache_bytes,
-        held_by_the_fix=_held_by_the_fix(),
+        from_the_fix=_from_the_fix(),
     )

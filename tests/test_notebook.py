@@ -347,7 +347,7 @@ def test_a_cell_without_exception_keeps_its_hold_and_says_so(story: Story) -> No
     assert "counter stays 1 above where it was when this cell began" in line
     assert "bnb_gc_fix.reset()" in line
     assert story.status_after_held is not None
-    assert (story.status_after_held["counter"], story.status_after_held["held_by_the_fix"]) == (1, 0)
+    assert (story.status_after_held["counter"], story.status_after_held["from_the_fix"]) == (1, 0)
 
 
 @pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)

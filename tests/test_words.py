@@ -44,7 +44,7 @@ with warnings.catch_warnings(record=True) as caught:
 ours = [w for w in caught if issubclass(w.category, bnb_gc_fix.BnbGcFixWarning)]
 printed += [warnings.formatwarning(w.message, w.category, "train.py", 12) for w in ours]
 printed.append(str(bnb_gc_fix.status()))
-for args in (["status"], ["check", "--device", "cpu", "--steps", "1"]):
+for args in (["status"], ["check", "--device", "cpu", "--steps", "1"], ["check", "--device", "cuda"]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         main(args)
