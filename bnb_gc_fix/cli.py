@@ -132,10 +132,7 @@ def _print_check(result: Any, current: Status) -> None:
 def _verdict(result: Any) -> str:
     """The check's last line: what it saw, in the state's word."""
     if result.protected and result.state == NOT_AFFECTED:
-        return (
-            "not affected: this bitsandbytes switched the cache off after every step by itself, and the "
-            "adapter trained; nothing was needed"
-        )
+        return "not affected: this bitsandbytes switched the cache off after every step; nothing was needed"
     if result.protected:
         return "protected: the cache was switched off and empty after every step, and the adapter trained"
     faces = []

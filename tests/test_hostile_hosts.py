@@ -12,7 +12,17 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import AFFECTED, BITSANDBYTES, cli_calls, environment, pip_target, run_code, shared, unwrapped
+from conftest import (
+    AFFECTED,
+    BITSANDBYTES,
+    cli_calls,
+    command,
+    environment,
+    pip_target,
+    run_code,
+    shared,
+    unwrapped,
+)
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
@@ -100,9 +110,11 @@ def test_status_exits_quietly_on_a_closed_stdout() -> None:
 
 def test_status_with_the_switch_off_gives_one_answer() -> None:
     # The command's own process quantizes nothing: `not affected`, with the switch on or off (issue 42's
-    # finding 1); the reason says what would change it.
+    # finding 1; it said `unprotected` with the switch off); the reason says what would change it.
     (_, line, _), (_, text, _) = cli_calls(["status", "--json"], ["status"], switch="0")
     facts = json.loads(line)
+    _, switched_on, _ = command("status", "--json")  # the same process with the fix on
+    assert json.loads(switched_on)["state"] == facts["state"] == "not affected"
     bitsandbytes = facts["libraries"][0]
     assert bitsandbytes["affected"] is AFFECTED and bitsandbytes["state"] == facts["state"] == "not affected"
     assert facts["on"] is False and facts["turned_on_by"] is None and facts["switch"] == "0"
