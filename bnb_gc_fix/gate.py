@@ -215,10 +215,10 @@ def let_every_module_go() -> None:
     off_hooks = [disable for _, disable in PAIRS]
     for module, hooks in census.modules_holding(off_hooks, census.HOOKS):
         always = vars(module).get("_forward_hooks_always_called")
-        for key in [key for key in hooks if key in _marked_keys]:
-            with contextlib.suppress(Exception):  # an always-called dictionary that is not torch's
+        with contextlib.suppress(Exception):  # an always-called dictionary that is not torch's, a module
+            for key in [key for key in hooks if key in _marked_keys]:  # that cannot be hashed
                 always.pop(key, None)
-        _let_go.add(module)
+            _let_go.add(module)
     _taken_over.clear()
     forget_every_hold()
 

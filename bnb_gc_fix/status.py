@@ -100,17 +100,18 @@ class Status:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
         else:
             text = f"on ({switch})"
-        return labelled("fix", text + self._elsewhere_text())
+        said_the_hook = who_turned_it_on and self.turned_on_by == activation.STARTUP_HOOK
+        return labelled("fix", text + self._elsewhere_text(said_the_hook))
 
-    def _elsewhere_text(self) -> str:
+    def _elsewhere_text(self, said_the_hook: bool) -> str:
         """What the start-up hook means for this environment's other processes, where that is news."""
         if not self.start_up_hook_ran:
             return (
                 "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
                 "fix (docs/reference.md: where the start-up hook cannot run)"
             )
-        if self.turned_on_by is None or self.turned_on_by == activation.STARTUP_HOOK:
-            return ""  # off here; or on by the start-up hook, which said so
+        if self.turned_on_by is None or said_the_hook:
+            return ""  # off here; or on by the start-up hook, which the line says
         return "; processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
 
     def cache_line(self) -> str:
