@@ -147,8 +147,9 @@ def install_torch(session: nox.Session, cell: dict[str, Any]) -> None:
     tag = "cp" + "".join(cell["python"].split(".")[:2])
     if not torch or "+" in torch or not glob.glob(str(CUDA_WHEELS / f"torch-{torch}-{tag}-*.whl")):
         return
-    extras = [e for e in cell["extras"] if e.split("<")[0].split("=")[0].strip() == "numpy"]
-    session.install("--no-index", "--find-links", str(CUDA_WHEELS), f"torch=={torch}", *extras)
+    # torch and its own requirements alone: the cell's extras (numpy<2) come with its next install, from
+    # the index where the folder lacks them.
+    session.install("--no-index", "--find-links", str(CUDA_WHEELS), f"torch=={torch}")
 
 
 def build_wheel(session: nox.Session, outdir: Path) -> Path:

@@ -218,9 +218,8 @@ def _where_the_fix_is_not(library: Library) -> tuple[str, str, int]:
 def _where_the_fix_is(library: Library) -> tuple[str, str, int]:
     covered = _covered(library)
     if covered == 0 and activation.fix.decisions[library.name].late:
-        covered = _quantized_with(
-            library
-        )  # quantized before the fix turned on: covered at their next forward
+        # quantized before the fix turned on: each is covered at its next forward
+        covered = _quantized_with(library)
     if covered:
         quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer}"
         return PROTECTED, f"the fix covers {quantized}", covered
