@@ -278,7 +278,7 @@ def run_python(
     if fresh is None:
         parent = warm_parent()
         unlike = parent.differs_at_start(env)
-        runnable = args[:1] == ["-c"] or (bool(args) and not args[0].startswith("-"))
+        runnable = args[:1] in (["-c"], ["-m"]) or (bool(args) and not args[0].startswith("-"))
         if executable != sys.executable or unlike or not runnable:
             raise ValueError(
                 f"a warm parent cannot run {[executable, *args][:3]} (environment read at start: {unlike}): "

@@ -1,6 +1,7 @@
 """The documented ``conftest.py`` (docs/test-suites.md), loaded from the page itself so that it cannot rot,
 run by real pytest runs on a small suite, each beside its control (the same suite without it). Each run
-is a fresh interpreter: pytest's own.
+is a process of its own, forked from the warm parent (``python -m pytest``, its start-up hook run as the
+``.pth`` runs it); its xdist workers are fresh interpreters.
 
 The suite: an innocent test, a test whose checkpointed step through a 4-bit module leaves the cache on, a
 test that fails on its own after leaking, a module-scoped fixture that leaks while it is set up, and a
@@ -12,12 +13,11 @@ block is appended to it, as the page says: the suite's hooks all still run (issu
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCENARIOS, environment
+from conftest import ROOT, SCENARIOS, run_python
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
@@ -117,6 +117,7 @@ def _suite(folder: Path, with_conftest: bool) -> Path:
     folder.mkdir()
     for name, source in SUITE.items():
         (folder / name).write_text(source)
+    shutil.copy(SCENARIOS / "quantized.py", folder)  # the suite's own helper, beside its tests
     (folder / "early_plugin.py").write_text(EARLY_PLUGIN)
     block = "\n\n" + conftest_block() if with_conftest else ""
     (folder / "conftest.py").write_text(OWN_HOOKS + block)
@@ -137,9 +138,8 @@ def _own_hooks_ran(folder: Path) -> bool:
 
 def _pytest(folder: Path, switch: str | None, *options: str) -> dict[str, str]:
     """Each test's outcome (``passed``, ``failed``, ``error``), and the run's output under ``"output"``."""
-    env = environment(switch, PYTHONPATH=str(SCENARIOS))
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", *options]
-    run = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    command = ["-m", "pytest", "-p", "no:cacheprovider", "-rA", "-q", *options]
+    run = run_python(command, switch, cwd=folder, timeout=600)
     outcomes = {"output": run.stdout + run.stderr}
     for line in run.stdout.splitlines():
         found = re.match(r"^(PASSED|FAILED|ERROR) \S+::(\w+)", line)

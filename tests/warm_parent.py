@@ -1,4 +1,5 @@
-"""A warm parent: imports torch, bitsandbytes and transformers once, then forks a child per scenario.
+"""A warm parent: imports torch, bitsandbytes and transformers (PRELOADED) once, then forks a child per
+scenario.
 
     python tests/warm_parent.py REQUESTS_FD REPLIES_FD
 
@@ -8,12 +9,13 @@ scenario's ``python`` arguments, environment, folder, and the files its output g
 for each. It answers the child's pid, then its exit status once it has ended.
 
 The child starts from the state a fresh interpreter of that environment reaches after its first
-``import torch, bitsandbytes, transformers``, where the package is not imported yet: torch's counter at
-0, ``bitsandbytes.nn.parametrize`` not imported (bitsandbytes 0.48-0.49 import it only when asked), no
-hook of anyone's on any module. It takes the scenario's environment, folder, ``sys.argv``,
-``sys.path[0]`` and standard streams, runs the start-up hook as ``zz_bnb_gc_fix.pth`` does, runs the
-code as ``python -c CODE`` or ``python SCRIPT`` would, and ends as an interpreter ends (its threads
-joined, ``atexit`` run, its modules torn down).
+``import torch, bitsandbytes, transformers`` (and the modules of PRELOADED), where the package is not
+imported yet: torch's counter at 0, ``bitsandbytes.nn.parametrize`` not imported (bitsandbytes 0.48-0.49
+import it only when asked), no hook of anyone's on any module. It takes the scenario's environment,
+folder, ``sys.argv``, ``sys.path[0]`` and standard streams, runs the start-up hook as
+``zz_bnb_gc_fix.pth`` does, runs the code as ``python -c CODE``, ``python -m MODULE`` or ``python
+SCRIPT`` would, and ends as an interpreter ends (its threads joined, ``atexit`` run, its modules torn
+down).
 
 What it cannot be is a process in which the start-up hook ran before anything was imported: the tests
 that look at interpreter start, import order, or Python's options run in fresh interpreters
@@ -33,8 +35,17 @@ import threading
 import types
 from typing import TextIO
 
-#: What every scenario imports first, paid once here, never again in a child: what of it is installed.
-PRELOADED = ("torch", "torch.utils.checkpoint", "bitsandbytes", "transformers")
+#: What the scenarios import first, paid once here, never again in a child: what of it is installed. The
+#: package watches none of transformers' modules, so importing them before it changes nothing it does.
+PRELOADED = (
+    "torch",
+    "torch.utils.checkpoint",
+    "bitsandbytes",
+    "transformers",
+    "transformers.models.olmoe.modeling_olmoe",
+    "transformers.models.llama.modeling_llama",
+    "transformers.trainer",
+)
 
 #: Modules a fresh interpreter of the scenario imports only itself, where it runs the fix's code.
 NOT_HERE = ("bnb_gc_fix", "bitsandbytes.nn.parametrize", "axolotl")
@@ -107,7 +118,8 @@ def _become(request: dict[str, object], requests: TextIO, replies: int) -> None:
 
 
 def _run(argv: list[str]) -> int:
-    """``python -c CODE ARGS`` or ``python SCRIPT ARGS``, after the start-up hook as the .pth runs it."""
+    """``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python SCRIPT ARGS``, after the start-up hook
+    as the .pth runs it."""
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
@@ -120,6 +132,10 @@ def _run(argv: list[str]) -> int:
             sys.path[0] = ""
             main.__dict__.update(__spec__=None, __loader__=importlib.machinery.BuiltinImporter)
             exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+        elif argv[0] == "-m":
+            sys.argv = ["-m", *argv[2:]]  # runpy puts the module's file first, as python -m does
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(argv)
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
