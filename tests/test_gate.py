@@ -155,7 +155,9 @@ print(quantized.counter())
 
 @pytest.mark.parametrize("switch", [None, "0"], ids=["fix", "control"])
 def test_a_module_collected_at_exit_prints_nothing(switch: str | None) -> None:
-    result = run_code(COLLECTED_AT_EXIT, prelude="scenarios", switch=switch)
+    result = run_code(
+        COLLECTED_AT_EXIT, prelude="scenarios", switch=switch, fresh="the interpreter's teardown collects it"
+    )
     assert result.last_line == "0"
     assert "Exception ignored" not in result.stderr, result.stderr  # was: a TypeError from gate.py
 
