@@ -177,10 +177,9 @@ def _end(code: int) -> None:
     finalizers and logging's flush included), its streams flushed; then ``os._exit``, as a child of
     ``multiprocessing``'s fork does. What it skips is tearing the modules down (about 1.5 s of CPU with
     torch and transformers imported): a test that looks at that teardown runs in a fresh interpreter."""
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join()
+    # What the interpreter's own end calls first: threading's exit callbacks (a ThreadPoolExecutor's,
+    # which tell its idle workers to stop), then a join of every thread that is not a daemon.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
