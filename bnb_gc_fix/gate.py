@@ -215,9 +215,12 @@ def let_every_module_go() -> None:
     off_hooks = [disable for _, disable in PAIRS]
     for module, hooks in census.modules_holding(off_hooks, census.HOOKS):
         always = vars(module).get("_forward_hooks_always_called")
-        with contextlib.suppress(Exception):  # an always-called dictionary that is not torch's, a module
-            for key in [key for key in hooks if key in _marked_keys]:  # that cannot be hashed
-                always.pop(key, None)
+        # What cannot be read is left as it is: an always-called dictionary that is not torch's, or a
+        # module that cannot be hashed (the weak set hashes it).
+        with contextlib.suppress(Exception):
+            for key in hooks:
+                if key in _marked_keys:
+                    always.pop(key, None)
             _let_go.add(module)
     _taken_over.clear()
     forget_every_hold()
