@@ -20,9 +20,9 @@ PACKAGE = "bnb_gc_fix"
 VARIABLE = "BNB_GC_FIX"
 
 # The switch's modes, each with the values of BNB_GC_FIX that ask for it (trimmed, any case; unset: auto).
-AUTO = "auto"  # the fix goes into every library whose release leaks this way
+AUTO = "auto"  # the fix goes into every library whose hooks leak this way
 OFF = "off"
-FORCE = "force"  # also into releases that do not leak this way, for what a Ctrl-C leaves there
+FORCE = "force"  # also into hooks it knows that do not leak this way, for what a Ctrl-C leaves there
 SPELLINGS = {
     AUTO: ("", "auto", "1", "on", "true", "yes"),
     OFF: ("0", "off", "false", "no"),
@@ -43,46 +43,43 @@ def switched_off() -> bool:
     return mode_of(os.environ.get(VARIABLE)) == OFF
 
 
-#: The pair's two functions, by the same names in every library's module.
-ENABLE = "_enable_parametrization_cache"  # the pre-hook: `P._cache_enabled += 1`
-DISABLE = "_disable_parametrization_cache"  # the plain forward hook: `-= 1`, the cache emptied at 0
-
-
 class Library:
-    """A library whose module registers the leaking pair of hooks on the modules it quantizes."""
+    """A library whose module may register the leaking pair of hooks on the modules it quantizes. What the
+    pair does is read from the library's code when its module is imported (``bnb_gc_fix.reading``); the
+    releases named here are only the cross-check that ``status()`` explains a disagreement with."""
 
-    __slots__ = ("first_affected", "first_fixed", "module_name", "name", "quantizer", "register")
+    __slots__ = ("first_affected", "first_fixed", "module_name", "name", "quantizer_name", "register_name")
 
     def __init__(
         self,
         name: str,
         module_name: str,
-        register: str,
-        quantizer: str,
+        register_name: str,
+        quantizer_name: str,
         first_affected: str,
         first_fixed: str,
     ) -> None:
         self.name = name
-        self.module_name = module_name  # the module that holds the pair's two functions (ENABLE, DISABLE)
-        self.register = register  # the function of that module that registers the pair
-        self.quantizer = quantizer  # what users call, which calls `register`
-        self.first_affected = first_affected  # the first release that registers the pair
+        self.module_name = module_name  # the module whose code registers the pair
+        self.register_name = register_name  # the name of that module's function that registers the pair
+        self.quantizer_name = quantizer_name  # the name of what users call, which calls that function
+        self.first_affected = first_affected  # the first release that registers the leaking pair
         self.first_fixed = first_fixed  # the first release whose "off" hook runs when a forward raises
 
 
 BITSANDBYTES = Library(
     name="bitsandbytes",
     module_name="bitsandbytes.nn.parametrize",
-    register="_register_parametrization_hooks",
-    quantizer="replace_parameter_4bit",
+    register_name="_register_parametrization_hooks",
+    quantizer_name="replace_parameter_4bit",
     first_affected="0.48.0",
     first_fixed="0.50.0",
 )
 AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
     name="axolotl",
     module_name="axolotl.monkeypatch.moe_quant",
-    register="replace_parameter_8bit",
-    quantizer="quantize_moe_experts",
+    register_name="replace_parameter_8bit",
+    quantizer_name="quantize_moe_experts",
     first_affected="0.15.0",
     first_fixed="0.20.0",
 )

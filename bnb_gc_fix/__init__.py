@@ -9,32 +9,19 @@ import logging
 import _bnb_gc_fix as _startup
 from bnb_gc_fix import activation as _activation
 from bnb_gc_fix._version import __version__
-from bnb_gc_fix.activation import deactivate
 from bnb_gc_fix.cache import reset
-from bnb_gc_fix.errors import (
-    BnbGcFixWarning,
-    CacheLeakError,
-    CacheLeakWarning,
-    PatchSkippedWarning,
-    SwitchValueWarning,
-)
+from bnb_gc_fix.errors import BnbGcFixWarning, PatchSkippedWarning, SwitchValueWarning
 from bnb_gc_fix.errors import logger as _logger
-from bnb_gc_fix.nets import LeakGuard, guard
 from bnb_gc_fix.status import LibraryStatus, Status, status
 
 __all__ = [
     "BnbGcFixWarning",
-    "CacheLeakError",
-    "CacheLeakWarning",
-    "LeakGuard",
     "LibraryStatus",
     "PatchSkippedWarning",
     "Status",
     "SwitchValueWarning",
     "__version__",
     "activate",
-    "deactivate",
-    "guard",
     "reset",
     "status",
 ]
@@ -43,7 +30,8 @@ _logger.addHandler(logging.NullHandler())
 
 
 def activate() -> Status:
-    """Turn the fix on as ``BNB_GC_FIX`` says now (idempotent, never raises); returns :func:`status`."""
+    """Turn the fix on as ``BNB_GC_FIX`` says now (idempotent, never raises); returns :func:`status`. The
+    fix cannot be switched off in a running process: ``BNB_GC_FIX=0`` from its start is the off switch."""
     _activation.activate(via=_activation.ACTIVATE)
     return status()
 

@@ -1,8 +1,9 @@
-"""Turning the fix on and off in this process, and what it decided for each library.
+"""Turning the fix on in this process, and what it decided for each library.
 
-``activate()`` reads ``BNB_GC_FIX`` and keeps what it read until the next ``activate()``. It puts the fix
-into each library's module now if that module is imported, else when it is: the start-up hook's watcher
-(``_bnb_gc_fix.py``) calls :func:`imported` once the module's code has run.
+``activate()`` reads ``BNB_GC_FIX``. It decides for each library's module now if that module is imported,
+else when it is: the start-up hook's watcher (``_bnb_gc_fix.py``) calls :func:`imported` once the module's
+code has run. A decision follows what the library's code was read to do (``bnb_gc_fix.reading``). There is
+no turning the fix off in a running process: ``BNB_GC_FIX=0`` from the process's start is the off switch.
 """
 
 from __future__ import annotations
@@ -11,27 +12,41 @@ import os
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import lock, notebook
 from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
 from bnb_gc_fix.lines import message
-from bnb_gc_fix.releases import MIN_TORCH, affected, release, version_of
+from bnb_gc_fix.releases import MIN_TORCH, release, version_of
+
+if TYPE_CHECKING:  # reading imports torch: imported where a library's module is, so torch is too
+    from bnb_gc_fix.reading import Reading
 
 IMPORT = "import bnb_gc_fix"
 STARTUP_HOOK = "the start-up hook"
 ACTIVATE = "activate()"
 
+# What the fix does in a library's module, as decided.
+FIXED = "fixed"  # the fix is in its hooks
+NOT_NEEDED = "not needed"  # its hooks do not leak this way (or register nothing)
+UNREAD = "unread"  # what its hooks do could not be read; nothing changed
+CANNOT_FIX = "cannot fix"  # its hooks leak (or force asked), but the fix cannot take their place safely
+PENDING = "pending"  # read on the first module it quantizes (its register function raised on a throwaway)
+
 
 @dataclass
 class Decision:
-    """What the last activation decided for one library."""
+    """What the fix decided for one library's module."""
 
-    decided: bool = False  # its module was imported while the fix was on, and looked at
-    patched: bool = False  # the fix was put into its module (its release is affected, or BNB_GC_FIX=force)
-    skipped: str | None = None  # why the fix could not be put in, for a reason the user must hear
-    late: bool = False  # its module was imported before the fix was put into it
+    module: ModuleType | None = None  # the module object decided for (None: not yet; a reload makes another)
+    outcome: str | None = None  # FIXED, NOT_NEEDED, UNREAD, CANNOT_FIX or PENDING
+    said: str = ""  # what its register function was read to register (reading.Reading.said)
+    leaks: bool | None = None  # its hooks were read to leak this way (None: not read)
+    why_not: str | None = None  # for CANNOT_FIX (and force on UNREAD): the reason the user must hear
+    pre_hooks: tuple[object, ...] = ()  # the library's fixed pre-hook function(s), for counting modules
+    late: bool = False  # its module was imported before the fix was on: modules may predate the fix
     warned: bool = False
 
 
@@ -39,12 +54,11 @@ class Decision:
 class Fix:
     """The fix in this process, as the activations so far left it."""
 
-    switch: str | None = None  # BNB_GC_FIX as the last activation read it
+    switch: str | None = None  # BNB_GC_FIX as the activation that turned the fix on (or the last) read it
     mode: str = startup.AUTO
     turned_on_by: str | None = None  # None while the fix is off
-    deactivated: bool = False
     decisions: dict[str, Decision] = field(
-        default_factory=lambda: {lib.name: Decision() for lib in LIBRARIES}
+        default_factory=lambda: {library.name: Decision() for library in LIBRARIES}
     )
     warned_switch: bool = False
 
@@ -52,44 +66,87 @@ class Fix:
 fix = Fix()
 
 
-def _why_not(library: Library, module: ModuleType, leaks: bool | None) -> str | None:
-    """Why the fix must not go into the library's module (None: it may); ``leaks``: whether its release
-    leaks this way (None: its version cannot be read)."""
-    from bnb_gc_fix import patch  # imports torch, which the library's module has imported
+def _warn_once(library: Library, decision: Decision) -> None:
+    if decision.warned or decision.why_not is None:
+        return
+    decision.warned = True
+    said = message(f"bnb-gc-fix is not active for {library.name}:", f"{decision.why_not}.")
+    warn_quietly(said, PatchSkippedWarning)
 
+
+def _torch_too_old() -> str | None:
     torch = release(version_of("torch"))
-    if torch is not None and torch < MIN_TORCH:
-        return (
-            f"torch {torch} cannot call a forward hook when the forward raises (needs torch >= {MIN_TORCH})"
-        )
-    if fix.mode != startup.FORCE and leaks is None:
-        version = version_of(library.name)
-        return (
-            f"{library.name}'s version {version!r} cannot be read; {startup.VARIABLE}=force puts the fix in"
-        )
-    return patch.unexpected(module, library)
+    if torch is None or torch >= MIN_TORCH:
+        return None
+    return f"torch {torch} cannot call a forward hook when the forward raises (needs torch >= {MIN_TORCH})"
+
+
+def _why_it_cannot_go_in(what: Reading) -> str | None:
+    """Why the fix cannot take the place of the pair read (None: it can)."""
+    from bnb_gc_fix import reading
+
+    if what.kind == reading.UNREADABLE:
+        return f"{what.said}, so bnb-gc-fix cannot tell what its hooks do"
+    if what.kind == reading.NOTHING:
+        return f"{what.said}: there is nothing to put the fix into"
+    if not what.replaceable:
+        return f"{what.said}, and they do more or other than switch the cache on and off"
+    return _torch_too_old()
+
+
+def _settle(library: Library, module: ModuleType, what: Reading) -> None:
+    """Decide from what the library's register function was read to register."""
+    from bnb_gc_fix import patch, reading
+
+    decision = fix.decisions[library.name]
+    decision.said = what.said
+    decision.leaks = what.leaks
+    decision.why_not = None
+    needed = what.kind == reading.LEAKS or fix.mode == startup.FORCE
+    if not needed:
+        decision.outcome = NOT_NEEDED if what.kind != reading.UNREADABLE else UNREAD
+        return
+    decision.why_not = _why_it_cannot_go_in(what)
+    if decision.why_not is not None:
+        decision.outcome = CANNOT_FIX
+        _warn_once(library, decision)
+        return
+    assert what.pair is not None
+    patch.apply(what.pair)
+    patch.wrap_register(module, library, decide=None)
+    decision.outcome = FIXED
+    decision.pre_hooks = (*decision.pre_hooks, what.pair[0])
+    version = version_of(library.name)
+    logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
 
 
 def _decide(library: Library, module: ModuleType) -> None:
-    """Put the fix into an imported library module where it is needed and can be."""
-    from bnb_gc_fix import patch
+    """Read what the library module's register function registers, and put the fix in where it is needed
+    and can be."""
+    from bnb_gc_fix import patch, reading
 
-    version = version_of(library.name)
-    leaks = affected(library, version)
     decision = fix.decisions[library.name]
-    decision.decided = True
-    decision.skipped = _why_not(library, module, leaks)
-    if decision.skipped is not None:
-        if not decision.warned:
-            decision.warned = True
-            said = message(f"bnb-gc-fix is not active for {library.name}:", f"{decision.skipped}.")
-            warn_quietly(said, PatchSkippedWarning)
+    if decision.module is module and decision.outcome in (FIXED, PENDING):
+        return  # nothing new to read (the mode may have changed: the fix stays in)
+    decision.module = module
+    what = reading.read(library, patch.own_register(module, library))
+    if not what.raised:
+        _settle(library, module, what)
         return
-    needed = fix.mode == startup.FORCE or leaks is True
-    if needed:
-        patch.apply(module, library)
-        logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
-    decision.patched = needed
+    decision.outcome = PENDING
+    decision.said = what.said
+
+    def settle_later(real: Reading) -> None:  # inside the user's quantizing call: never raises
+        try:
+            with lock.held():
+                _settle(library, module, real)
+        except Exception as error:
+            what_failed = f"{type(error).__name__}: {error}"
+            warn_quietly(
+                message(f"bnb-gc-fix could not decide for {library.name}:", what_failed), PatchSkippedWarning
+            )
+
+    patch.wrap_register(module, library, decide=settle_later)
 
 
 def _imported_whole(library: Library) -> ModuleType | None:
@@ -99,40 +156,47 @@ def _imported_whole(library: Library) -> ModuleType | None:
     return sys.modules.get(library.module_name)
 
 
-def _read_switch() -> None:
-    fix.switch = os.environ.get(startup.VARIABLE)
-    mode = startup.mode_of(fix.switch)
-    fix.mode = startup.AUTO if mode is None else mode
+def _read_switch() -> str:
+    """BNB_GC_FIX now, as a mode (an unknown value warns once and reads as auto)."""
+    switch = os.environ.get(startup.VARIABLE)
+    mode = startup.mode_of(switch)
     if mode is None and not fix.warned_switch:
         fix.warned_switch = True
         accepted = ", ".join(
             "/".join(s or "unset" for s in spellings) for spellings in startup.SPELLINGS.values()
         )
         said = message(
-            f"{startup.VARIABLE}={fix.switch!r} is not a known value: behaving as 'auto'.",
+            f"{startup.VARIABLE}={switch!r} is not a known value: behaving as 'auto'.",
             f"Known values: {accepted}.",
         )
         warn_quietly(said, SwitchValueWarning)
+    if mode == startup.OFF and fix.turned_on_by is not None:
+        said = message(
+            f"{startup.VARIABLE}={switch!r} cannot switch the fix off in a running process: it stays on.",
+            f"Set {startup.VARIABLE}=0 before the process starts to run without it.",
+        )
+        warn_quietly(said, SwitchValueWarning)
+        return fix.mode
+    fix.switch = switch
+    return startup.AUTO if mode is None else mode
 
 
 def activate(via: str = ACTIVATE) -> None:
-    """Turn the fix on as ``BNB_GC_FIX`` says now: into each library's module now if it is imported, else
-    the moment it is. Idempotent; never raises (a problem becomes a warning and a reason in status())."""
+    """Turn the fix on as ``BNB_GC_FIX`` says now: decide for each library's module now if it is imported,
+    else the moment it is. Idempotent; never raises (a problem becomes a warning and a reason in status())."""
     try:
         with lock.held():
-            _read_switch()
+            fix.mode = _read_switch()
             if fix.mode == startup.OFF:
-                _turn_off(deactivated=False)
                 return
-            fix.deactivated = False
             fix.turned_on_by = fix.turned_on_by or via
             notebook.install()
             startup.watch()
             for library in LIBRARIES:
                 module = _imported_whole(library)
-                decision = fix.decisions[library.name]
                 if module is not None:
-                    decision.late = decision.late or not decision.decided  # imported before the fix was on
+                    decision = fix.decisions[library.name]
+                    decision.late = decision.late or decision.module is None  # imported before the fix
                     _decide(library, module)
     except Exception as error:  # never into the user's import
         said = message("bnb-gc-fix could not turn on:", f"{type(error).__name__}: {error}")
@@ -154,28 +218,3 @@ def imported(name: str) -> None:
     except Exception as error:
         said = message(f"bnb-gc-fix could not put its fix into {name}:", f"{type(error).__name__}: {error}")
         warn_quietly(said, PatchSkippedWarning)
-
-
-def deactivate() -> None:
-    """Put every library's own code back, wherever it is; every module that holds the fix's pair of hooks
-    (those it took over, and their copies) keeps one pair, registered as its library registers it.
-    ``activate()`` turns the fix on again."""
-    with lock.held():
-        _turn_off(deactivated=True)
-
-
-def _turn_off(deactivated: bool) -> None:
-    patched = [library for library in LIBRARIES if fix.decisions[library.name].patched]
-    if patched:
-        from bnb_gc_fix import gate, patch  # imported when the fix went in
-
-        try:
-            gate.let_every_module_go()
-        finally:  # the library's own code goes back whatever happened to the modules' marks
-            for library in patched:
-                patch.remove(library)
-    for library in LIBRARIES:
-        fix.decisions[library.name] = Decision(warned=fix.decisions[library.name].warned)
-    fix.turned_on_by = None
-    fix.deactivated = deactivated
-    notebook.remove()

@@ -1,43 +1,35 @@
-"""Finding the modules alive in this process that hold one of some hook functions, without importing torch.
+"""Counting the modules alive in this process that leak this way, without importing torch.
 
-It reads every object Python's collector tracks (about 0.1-0.2 µs each: tens of milliseconds to a second
-in a large process), so only what runs rarely calls it: ``deactivate()``, and ``status()`` where the fix
-is not in a library's code or the library was imported before the fix turned on and nothing was covered
-yet. A training step with the fix on never does. A module awaiting collection (garbage in a reference
-cycle) counts as alive until the collector frees it.
+A module leaks this way when it holds an off hook of a library's module (a forward hook defined there)
+that torch does not always call: what a library that leaks registers, and what the fix's cover changes.
+Only ``status()`` counts them, where the fix is not in a library's code or the library was imported
+before the fix turned on. It reads every object Python's collector tracks (about 0.1-0.2 µs each: tens
+of milliseconds to a second in a large process); a training step never does. A module awaiting collection
+(garbage in a reference cycle) counts as alive until the collector frees it.
 """
 
 from __future__ import annotations
 
 import gc
 import sys
-from collections.abc import Collection
 from typing import Any
 
-PRE_HOOKS = "_forward_pre_hooks"
-HOOKS = "_forward_hooks"
 
-
-def modules_holding(functions: Collection[object], hooks: str) -> list[tuple[Any, dict[Any, Any]]]:
-    """Every module alive (or awaiting collection) that holds one of ``functions`` among its ``hooks``
-    (PRE_HOOKS or HOOKS), with those hooks. An object whose hooks cannot be read is left out."""
+def leaking_modules(module_name: str) -> int:
+    """How many modules alive hold an off hook defined in ``module_name`` that torch does not always call.
+    An object whose hooks cannot be read is left out."""
     module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
-    if module_type is None or not functions:
-        return []
+    if module_type is None:
+        return 0
     modules = [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read
-    found = []
-    for module in modules:
-        registered = _hooks(module, functions, hooks)
-        if registered is not None:
-            found.append((module, registered))
-    return found
+    return sum(_leaks(module, module_name) for module in modules)
 
 
-def _hooks(module: Any, functions: Collection[object], hooks: str) -> dict[Any, Any] | None:
-    """The module's ``hooks`` (a copy), where one of them is one of ``functions``; None otherwise."""
+def _leaks(module: Any, module_name: str) -> bool:
     try:
-        registered = dict(vars(module).get(hooks) or {})  # a module made without __init__ has none
+        hooks = dict(vars(module).get("_forward_hooks") or {})  # a module made without __init__ has none
+        always = dict(vars(module).get("_forward_hooks_always_called") or {})
+        skipped = [hook for key, hook in hooks.items() if key not in always]
+        return any(getattr(hook, "__module__", None) == module_name for hook in skipped)
     except Exception:  # something in its __dict__ that is not a dictionary of hooks
-        return None
-    holding = any(hook is function for hook in registered.values() for function in functions)
-    return registered if holding else None
+        return False

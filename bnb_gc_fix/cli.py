@@ -12,9 +12,8 @@ from typing import Any, NoReturn
 
 from _bnb_gc_fix import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
-from bnb_gc_fix.installed import distribution_version, try_import
+from bnb_gc_fix.installed import distribution_version, has_module, try_import
 from bnb_gc_fix.lines import counted, labelled, wrap
-from bnb_gc_fix.releases import predates
 from bnb_gc_fix.status import NOT_AFFECTED, Status, status
 
 EXIT_PROTECTED = 0  # check: no leak, either way
@@ -35,11 +34,10 @@ def _import_the_libraries() -> list[str]:
         return [str(problem)]
     problems = []
     for library in LIBRARIES:
-        version = distribution_version(library.name)
-        if version is None:
+        if distribution_version(library.name) is None:
             continue
         top, problem = try_import(library.name)
-        if top is not None and not predates(library, version):
+        if top is not None and has_module(library.module_name):
             _, problem = try_import(library.module_name)
         if problem is not None:
             problems.append(problem)

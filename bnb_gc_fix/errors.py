@@ -1,5 +1,5 @@
-"""bnb-gc-fix's warnings and exceptions (so that users can filter or catch exactly its own), its logger, and
-how a warning reaches the user's line."""
+"""bnb-gc-fix's warnings (so that users can filter exactly its own), its logger, and how a warning reaches
+the user's line."""
 
 from __future__ import annotations
 
@@ -21,20 +21,8 @@ class PatchSkippedWarning(BnbGcFixWarning):
 
 
 class SwitchValueWarning(BnbGcFixWarning):
-    """``BNB_GC_FIX`` holds a value bnb-gc-fix does not know; it behaves as ``auto``."""
-
-
-class CacheLeakWarning(BnbGcFixWarning):
-    """A safety net found torch's parametrization cache left switched on after a step or a cell."""
-
-
-class CacheLeakError(RuntimeError):
-    """``guard(strict=True)``: the step left holds on the cache that the guard could not give back."""
-
-    def __init__(self, message: str, left: int, cached_bytes: int) -> None:
-        super().__init__(message)
-        self.left = left
-        self.cached_bytes = cached_bytes
+    """``BNB_GC_FIX`` holds a value bnb-gc-fix cannot act on: one it does not know (it behaves as
+    ``auto``), or an off switch read after the fix turned on (it stays on)."""
 
 
 _OUR_FOLDER = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -56,11 +44,10 @@ def _users_frame() -> FrameType:
     return frame
 
 
-def warn(message: str, category: type[Warning], *, every_time: bool = False) -> None:
-    """Warn at the user's line. ``every_time``: shown at each call under Python's default filters (which
-    show a warning once per line and text), for a report that is news each time."""
+def warn(message: str, category: type[Warning]) -> None:
+    """Warn at the user's line (shown once per line and text under Python's default filters)."""
     frame = _users_frame()
-    registry = None if every_time else frame.f_globals.setdefault("__warningregistry__", {})
+    registry = frame.f_globals.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
         message,
         category,

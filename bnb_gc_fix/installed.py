@@ -4,6 +4,7 @@ broken (a bitsandbytes raising at import for a missing CUDA library is broken, n
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from importlib import metadata
 from types import ModuleType
 
@@ -14,6 +15,15 @@ def distribution_version(name: str) -> str | None:
         return metadata.version(name)
     except Exception:  # not installed, or metadata that cannot be read
         return None
+
+
+def has_module(name: str) -> bool:
+    """Whether the module ``name`` exists, its package imported already (a release from before the library
+    had it has none); nothing is imported."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except Exception:  # a package that is not one, or a finder that fails: import it to say what is wrong
+        return True
 
 
 def try_import(name: str) -> tuple[ModuleType | None, str | None]:

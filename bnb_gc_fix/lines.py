@@ -1,7 +1,8 @@
 """How the package's printed text is shaped: lines of at most 100 characters, in the README's words (the
 cache, the counter, the forwards that switched it on, the fix, on and off).
 
-Every line that ``status``, ``check``, the safety nets and the warnings print goes through :func:`wrap`.
+Every line that ``status``, ``check``, a notebook cell's report and the warnings print goes through
+:func:`wrap`.
 """
 
 from __future__ import annotations
@@ -12,17 +13,15 @@ WIDTH = 100
 #: Where a wrapped line goes on: under the text after a label such as ``"state: "``.
 INDENT = " " * 7
 
-#: What status and the safety nets say of the switch-ons that the fix's own forwards do not account for.
-NOT_THE_FIXS = (
-    "bnb-gc-fix cannot tell what switched the cache on (a P.cached() block still open, a forward running "
-    "on another thread or begun before the fix was on, bitsandbytes' own hooks where the fix is off). If "
-    "nothing keeps the cache on on purpose, bnb_gc_fix.reset() switches it off once nothing runs."
-)
-
 
 def counted(number: int, thing: str) -> str:
     """``1 module``, ``2 modules``."""
     return f"{number} {thing}" if number == 1 else f"{number} {thing}s"
+
+
+def possessive(name: str) -> str:
+    """``axolotl's``, ``bitsandbytes'``."""
+    return f"{name}'" if name.endswith("s") else f"{name}'s"
 
 
 def wrap(text: str, indent: str = INDENT, width: int = WIDTH) -> str:

@@ -1,9 +1,9 @@
 """The cell-end release: in IPython and Jupyter, what a cell's Ctrl-C left switched on is switched off.
 
 A notebook's stop button raises ``KeyboardInterrupt`` inside a forward, where torch runs no forward hook.
-Each cell is a safety net's span (:mod:`bnb_gc_fix.nets`), from IPython's ``pre_run_cell`` event to its
-``post_run_cell``; the cell's output says what was given back, and what stays and what to do. IPython is
-never imported: the package looks for a running shell in ``sys.modules``.
+Each cell is a span (:mod:`bnb_gc_fix.span`), from IPython's ``pre_run_cell`` event to its
+``post_run_cell``; the cell's output says what was switched off, and what is still on and what may keep it
+on. IPython is never imported: the package looks for a running shell in ``sys.modules``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from bnb_gc_fix.errors import logger
-from bnb_gc_fix.nets import Span
+from bnb_gc_fix.span import Span
 
 BEFORE = "pre_run_cell"
 AFTER = "post_run_cell"
@@ -38,19 +38,11 @@ def install() -> None:
         shell = _running_shell()
         if getattr(shell, "events", None) is None or _cells.shell is shell:
             return
-        remove()
         shell.events.register(BEFORE, _before_cell)
         shell.events.register(AFTER, _after_cell)
         _cells.shell = shell
     except Exception as error:  # a shell we do not understand: the fix goes on without the release
         logger.debug("cell-end release not installed: %s: %s", type(error).__name__, error)
-
-
-def remove() -> None:
-    shell, _cells.shell = _cells.shell, None
-    for event, callback in ((BEFORE, _before_cell), (AFTER, _after_cell)):
-        with contextlib.suppress(Exception):  # no shell, or the user unregistered it
-            shell.events.unregister(event, callback)
 
 
 def registered() -> bool:

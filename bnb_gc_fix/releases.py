@@ -1,4 +1,5 @@
-"""Which releases leak this way: read from version strings, never by importing anything."""
+"""Release numbers, read from version strings, never by importing anything: only a cross-check of what a
+library's code was read to do (``status()`` says where the two disagree), and torch's minimum."""
 
 from __future__ import annotations
 
@@ -18,28 +19,19 @@ def version_of(name: str) -> str | None:
 
 
 def release(version: str | None) -> Version | None:
-    """The release numbers of a version (0.50.0.dev0 counts as 0.50.0); None when unreadable."""
+    """The release numbers of a version, for torch's minimum (2.4.0a0+git... is 2.4.0); None when
+    unreadable."""
     try:
         return Version(Version(str(version)).base_version)
     except InvalidVersion:
         return None
 
 
-def affected(library: Library, version: str | None) -> bool | None:
-    """Whether a release of the library registers the leaking pair (None: the version is unreadable)."""
-    number = release(version)
-    if number is None:
+def in_the_leaking_range(library: Library, version: str | None) -> bool | None:
+    """Whether the library's release number is one of those that registered the leaking pair (a
+    development build of the first fixed release, 0.50.0.dev0, is before it); None when unreadable."""
+    try:
+        number = Version(str(version))
+    except InvalidVersion:
         return None
     return Version(library.first_affected) <= number < Version(library.first_fixed)
-
-
-def predates(library: Library, version: str | None) -> bool:
-    """Whether a release of the library comes before its first affected one (and has no such module)."""
-    number = release(version)
-    return number is not None and number < Version(library.first_affected)
-
-
-def fixed_upstream(library: Library, version: str | None) -> bool:
-    """Whether a release of the library is one of those that fixed the leak themselves."""
-    number = release(version)
-    return number is not None and number >= Version(library.first_fixed)

@@ -1,9 +1,9 @@
 """``bnb_gc_fix.status()``: where the fix stands in this process right now, as one of three states.
 
 Every fact of the process is read when ``status()`` is called (the libraries imported and their versions,
-whether the fix is in their code now, the modules quantized with them, torch's counter), beside what the
-activations decided (``activation.fix``). It imports nothing and never raises. One situation has
-one state, whatever the switch says: a state says whether code that leaks this way is in use here.
+the module objects the fix decided for, the modules quantized with them, torch's counter), beside what
+the activations decided (``activation.fix``). It imports nothing and never raises. One situation has one
+state, whatever the switch says: a state says whether code that leaks this way is in use here.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
-from bnb_gc_fix import activation, cache, census, releases
-from bnb_gc_fix.lines import NOT_THE_FIXS, counted, labelled
+from bnb_gc_fix import activation, cache, census, cover, ledger, releases
+from bnb_gc_fix.lines import counted, labelled, possessive
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
 UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's code, the fix not in it
@@ -23,17 +23,25 @@ PROTECTED = "protected"  # the fix covers the modules quantized here with a leak
 NOT_AFFECTED = "not affected"  # nothing here is quantized with code that leaks this way, so far
 STATES = (UNPROTECTED, PROTECTED, NOT_AFFECTED)
 
+#: What may keep the cache on where the fix's forwards do not account for it, and no module leaks.
+OTHER_CAUSES = (
+    "bnb-gc-fix cannot tell what else switched it on (a P.cached() block still open, a forward running on "
+    "another thread or begun before the fix was on). If nothing keeps it on on purpose, "
+    f"{cache.RESET_ADVICE}."
+)
+
 
 @dataclass(frozen=True)
 class LibraryStatus:
-    """One library that registers the leaking pair (bitsandbytes, axolotl's copy)."""
+    """One library that may register the leaking pair (bitsandbytes, axolotl's copy)."""
 
     name: str
     version: str | None  # None while it is not imported
-    affected: bool | None  # its release registers the leaking pair (None: not imported, or unreadable)
+    affected: bool | None  # its hooks, as imported now, were read to leak this way (None: not read)
     state: str  # one of STATES
     reason: str  # why, and what to do, in a sentence
     covered: int  # the modules quantized with it that the fix covers
+    leaking: int  # the modules quantized with it that run without the fix and leak this way
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,8 @@ class Status:
 
     libraries: tuple[LibraryStatus, ...]  # bitsandbytes first
     turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
-    switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
+    switch: str | None  # BNB_GC_FIX as the activation that turned the fix on read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
-    deactivated: bool  # whether deactivate() switched the fix off (it stays off until activate())
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
@@ -95,13 +102,24 @@ class Status:
     def fix_line(self, who_turned_it_on: bool = True) -> str:
         switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
         if self.turned_on_by is None:
-            text = f"off (deactivate() switched it off; {switch})" if self.deactivated else f"off ({switch})"
-        elif who_turned_it_on:
+            return labelled("fix", f"off ({switch})")
+        not_needed_by = self._not_needed_by()
+        if not_needed_by:
+            text = f"not needed here: the hooks of {not_needed_by} do not leak this way ({switch})"
+            return labelled("fix", text)
+        if who_turned_it_on:
             text = f"on, turned on by {self.turned_on_by} ({switch})"
         else:
             text = f"on ({switch})"
         said_the_hook = who_turned_it_on and self.turned_on_by == activation.STARTUP_HOOK
         return labelled("fix", text + self._elsewhere_text(said_the_hook))
+
+    def _not_needed_by(self) -> str:
+        """The libraries imported here, if every one of them was read not to need the fix (else "")."""
+        imported = [library for library in self.libraries if library.version is not None]
+        if not imported or any(library.affected is not False for library in imported):
+            return ""
+        return " and ".join(f"{library.name} {library.version}" for library in imported)
 
     def _elsewhere_text(self, said_the_hook: bool) -> str:
         """What the start-up hook means for this environment's other processes, where that is news."""
@@ -110,8 +128,8 @@ class Status:
                 "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
                 "fix (docs/reference.md: where the start-up hook cannot run)"
             )
-        if self.turned_on_by is None or said_the_hook:
-            return ""  # off here; or on by the start-up hook, which the line says
+        if said_the_hook:
+            return ""
         return "; processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
 
     def cache_line(self) -> str:
@@ -119,132 +137,134 @@ class Status:
             return labelled("cache", "not in use (torch's parametrize module is not imported)")
         switched = "on" if self.counter else "off"
         text = f"{switched}, counter {self.counter}, {self.cache_bytes} bytes"
-        others = self.counter - self.from_the_fix
-        if others > 0:
-            text += f"; the fix's own forwards account for {self.from_the_fix} of it: {NOT_THE_FIXS}"
+        if self.counter - self.from_the_fix > 0:
+            text += f"; {self.who_keeps_it_on()}"
         return labelled("cache", text)
+
+    def who_keeps_it_on(self) -> str:
+        """What keeps the cache on beyond the fix's own forwards: modules that leak this way first."""
+        leaking = [library for library in self.libraries if library.leaking]
+        if leaking:
+            named = " and ".join(f"{possessive(library.name)} own hooks" for library in leaking)
+            number = sum(library.leaking for library in leaking)
+            runs = "runs" if number == 1 else "run"
+            return f"left on by {named} ({counted(number, 'module')} {runs} without the fix)"
+        said = OTHER_CAUSES
+        if self.from_the_fix:
+            said = f"the fix's own forwards account for {self.from_the_fix} of it: {said}"
+        return said
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
 
-def _from_the_fix() -> int:
-    gate = cache.gate_if_imported()
-    return 0 if gate is None else int(gate.held_by_every_thread())
-
-
-def _applied(library: Library) -> bool:
-    patch = sys.modules.get("bnb_gc_fix.patch")
-    module = sys.modules.get(library.module_name)
-    return patch is not None and module is not None and bool(patch.is_applied(module))
-
-
-def _enable(library: Library) -> object:
-    """The library's pre-hook function as its module has it now (None: the module is not imported)."""
-    return getattr(sys.modules.get(library.module_name), startup.ENABLE, None)
-
-
-def _covered(library: Library) -> int:
-    """The modules quantized with the library that the fix took over (or takes over again at their next
-    forward), while the fix is in the library's code."""
-    gate = cache.gate_if_imported()
-    enable = _enable(library)
-    if gate is None or enable is None or not _applied(library):
-        return 0
-    return int(gate.number_holding(enable))
-
-
-def _quantized_with(library: Library) -> int:
-    """The modules alive that hold the library's pre-hook function now (read from every object: called only
-    where the fix does not keep count of them)."""
-    enable = _enable(library)
-    return 0 if enable is None else len(census.modules_holding([enable], census.PRE_HOOKS))
-
-
+# --- one library's state ---------------------------------------------------------------------------------
 def _nothing_quantized(library: Library) -> str:
-    said = f"no module in this process has weights quantized with {library.quantizer} now"
-    version = releases.version_of(library.name)
-    notes = []
-    if releases.affected(library, version):
-        notes.append(f"only such weights leak, in {library.name} {version}")
+    said = f"no module in this process has weights quantized with {library.quantizer_name} now"
     if library is BITSANDBYTES:
-        notes.append("BitsAndBytesConfig's Linear4bit layers never use the cache")
-    return f"{said} ({'; '.join(notes)})" if notes else said
+        said += " (BitsAndBytesConfig's Linear4bit layers never use the cache)"
+    return said
 
 
-def _not_leaking(library: Library, named: str, version: str) -> str:
-    said = f"{named} does not leak this way (those from {library.first_affected} to before "
-    said += f"{library.first_fixed} do): nothing to fix"
-    if not releases.fixed_upstream(library, version):
-        return said
-    return (
-        f"{said}. What a Ctrl-C inside a forward leaves on is only reported here (by the safety nets); "
-        f"{startup.VARIABLE}=force puts the fix in, which switches it off; pip uninstall bnb-gc-fix "
-        "removes the package"
+def _cross_check(library: Library, version: str, leaks: bool) -> str:
+    """Where the release number says otherwise than what the library's code was read to do, a sentence
+    that says so (else nothing)."""
+    by_number = releases.in_the_leaking_range(library, version)
+    if by_number is None or by_number == leaks:
+        return ""
+    releases_named = f"releases {library.first_affected} to before {library.first_fixed}"
+    if leaks:
+        return f" ({library.name} {version} does, though only {releases_named} did)"
+    return f" ({library.name} {version} does not, though {releases_named} do)"
+
+
+def _without_the_fix(library: Library, why: str) -> tuple[str, str, int, int]:
+    """The state where the fix is not in the library's code: the modules that leak decide it."""
+    leaking = census.leaking_modules(library.module_name)
+    if leaking:
+        verb = "leaks" if leaking == 1 else "leak"
+        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer_name}"
+        return UNPROTECTED, f"{quantized} {verb} this way: {why}", 0, leaking
+    said = f"no module quantized here with {library.quantizer_name} leaks this way now. Weights quantized "
+    said += f"that way would run without the fix: {why}"
+    return NOT_AFFECTED, said, 0, 0
+
+
+def _with_the_fix(library: Library, version: str) -> tuple[str, str, int, int]:
+    decision = activation.fix.decisions[library.name]
+    covered = cover.number_holding(list(decision.pre_hooks))
+    if decision.late:  # quantized before the fix was in: each is covered at its next forward
+        covered += census.leaking_modules(library.module_name)
+    checked = _cross_check(library, version, leaks=True) if decision.leaks else ""
+    if covered:
+        quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer_name}"
+        return PROTECTED, f"the fix covers {quantized}{checked}", covered, 0
+    return NOT_AFFECTED, f"{_nothing_quantized(library)}{checked}", 0, 0
+
+
+def _not_needed(library: Library, version: str) -> tuple[str, str, int, int]:
+    decision = activation.fix.decisions[library.name]
+    said = f"{library.name} {version}: {decision.said}{_cross_check(library, version, leaks=False)}: "
+    said += (
+        "nothing to fix. A Ctrl-C inside a forward still leaves the cache on: a notebook cell's end reports "
+        f"it, and {startup.VARIABLE}=force puts the fix into these hooks too, so that the layer's next "
+        "forward switches it off"
     )
+    return NOT_AFFECTED, said, 0, 0
 
 
-def _why_the_fix_is_not_in(library: Library) -> str:
+def _why_the_fix_is_not_in(library: Library, module: object) -> str:
     """Why the fix is not in the library's code now, and what puts it in."""
     fix = activation.fix
     decision = fix.decisions[library.name]
     if fix.turned_on_by is None:
-        if fix.deactivated:
-            return "the fix is off (deactivate() switched it off; bnb_gc_fix.activate() switches it on)"
         return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
-    if decision.skipped is not None:
-        return f"the fix could not be put in: {decision.skipped}"
-    if not decision.decided:
+    if decision.module is None:
         return (
             f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
             "of its own): import bnb_gc_fix before that hook is installed, or call bnb_gc_fix.activate()"
         )
-    return (
-        f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
-        "bnb_gc_fix.activate() puts the fix back in"
-    )
+    if decision.module is not module:
+        return (
+            f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
+            "bnb_gc_fix.activate() puts the fix back in"
+        )
+    if decision.outcome == activation.PENDING:
+        return f"{decision.said}; the next module it quantizes decides whether the fix goes in"
+    if decision.why_not is not None:
+        return f"the fix could not be put in: {decision.why_not}"
+    return f"bnb-gc-fix cannot read what its hooks do: {decision.said}"
 
 
-def _where_the_fix_is_not(library: Library) -> tuple[str, str, int]:
-    why = _why_the_fix_is_not_in(library)
-    leaking = _quantized_with(library)
-    if leaking:
-        verb = "leaks" if leaking == 1 else "leak"
-        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer}"
-        return UNPROTECTED, f"{quantized} {verb} this way: {why}", 0
-    return NOT_AFFECTED, f"{_nothing_quantized(library)}. Weights quantized that way would leak: {why}", 0
-
-
-def _where_the_fix_is(library: Library) -> tuple[str, str, int]:
-    covered = _covered(library)
-    if covered == 0 and activation.fix.decisions[library.name].late:
-        # quantized before the fix turned on: each is covered at its next forward
-        covered = _quantized_with(library)
-    if covered:
-        quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer}"
-        return PROTECTED, f"the fix covers {quantized}", covered
-    return NOT_AFFECTED, _nothing_quantized(library), 0
-
-
-def _library_state(library: Library, version: str | None) -> tuple[str, str, int]:
-    """The library's state, why, and how many modules quantized with it the fix covers."""
+def _library_state(library: Library, version: str | None) -> tuple[str, str, int, int]:
+    """The library's state, why, and how many modules quantized with it the fix covers, and leak."""
     if version is None:
-        return NOT_AFFECTED, f"{library.name} is not imported in this process", 0
-    named = f"{library.name} {version}"
-    if releases.affected(library, version) is False and not activation.fix.decisions[library.name].patched:
-        return NOT_AFFECTED, _not_leaking(library, named, version), 0
-    if sys.modules.get(library.module_name) is None and activation.fix.turned_on_by is not None:
-        return NOT_AFFECTED, _nothing_quantized(library), 0
-    if _applied(library):
-        return _where_the_fix_is(library)
-    return _where_the_fix_is_not(library)
+        return NOT_AFFECTED, f"{library.name} is not imported in this process", 0, 0
+    module = sys.modules.get(library.module_name)
+    if module is None:
+        return NOT_AFFECTED, _nothing_quantized(library), 0, 0
+    decision = activation.fix.decisions[library.name]
+    if activation.fix.turned_on_by is not None and decision.module is module:
+        if decision.outcome == activation.FIXED:
+            return _with_the_fix(library, version)
+        if decision.outcome == activation.NOT_NEEDED:
+            return _not_needed(library, version)
+    return _without_the_fix(library, _why_the_fix_is_not_in(library, module))
+
+
+def _affected(library: Library) -> bool | None:
+    """Whether the library's hooks, as imported now, were read to leak this way (None: not read)."""
+    decision = activation.fix.decisions[library.name]
+    if decision.module is None or decision.module is not sys.modules.get(library.module_name):
+        return None
+    return decision.leaks
 
 
 def _library_status(library: Library) -> LibraryStatus:
     version = releases.version_of(library.name)
-    affected = None if version is None else releases.affected(library, version)
-    state, reason, covered = _library_state(library, version)
-    return LibraryStatus(library.name, version, affected, state, reason, covered)
+    state, reason, covered, leaking = _library_state(library, version)
+    affected = None if version is None else _affected(library)
+    return LibraryStatus(library.name, version, affected, state, reason, covered, leaking)
 
 
 def status() -> Status:
@@ -257,8 +277,7 @@ def status() -> Status:
         turned_on_by=activation.fix.turned_on_by,
         switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
-        deactivated=activation.fix.deactivated,
         counter=counter,
         cache_bytes=cache_bytes,
-        from_the_fix=_from_the_fix(),
+        from_the_fix=ledger.count_every_thread(),
     )

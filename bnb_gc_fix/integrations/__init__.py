@@ -1,1 +1,0 @@
-"""Integrations with training frameworks. Each submodule imports its framework; this package does not."""

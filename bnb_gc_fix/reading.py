@@ -1,0 +1,141 @@
+"""What a library's hooks do, read from what its code does, never from its version or the names of its hooks.
+
+Its register function is called on a throwaway module (one small parameter, nothing else), and what it
+registered there is read: a pre-hook and an off hook, and whether torch always calls the off hook. Where
+that call raises, the same reading is made on the first module the library itself quantizes
+(``bnb_gc_fix.patch``). The pair found is then run against a stand-in of torch's parametrize module, a copy
+of each function whose globals hold only the stand-in and a few pure builtins, to see whether it is the
+pair the fix can take the place of: the pre-hook adds 1 to the counter, the off hook takes 1 off and
+empties the cache at 0. Nothing of the process's own state is read or written by either step.
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+from types import FunctionType
+from typing import Any
+
+import torch
+import torch.nn.utils.parametrize as P
+
+from _bnb_gc_fix import Library
+from bnb_gc_fix import hooks
+
+# What the library's register function was found to register.
+LEAKS = "leaks"  # a pre-hook and an off hook that torch skips when a forward raises
+ALWAYS_OFF = "always off"  # a pre-hook and an off hook that torch always calls (upstream's fix)
+NOTHING = "nothing"  # no forward hooks at all
+UNREADABLE = "unreadable"  # no register function, one that raised, or hooks that are not one pair
+
+#: The builtins a hook of the pair may use on the stand-in (bitsandbytes 0.50's clamp uses ``max``).
+_PURE_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min", "abs", "int", "bool", "dict")}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a library module's register function registers."""
+
+    kind: str  # LEAKS, ALWAYS_OFF, NOTHING or UNREADABLE
+    said: str  # what was found, for status(): "... registers a pair whose off hook ..."
+    pair: tuple[Any, Any] | None = None  # (pre-hook, off hook), for LEAKS and ALWAYS_OFF
+    replaceable: bool = False  # the pair does what the fix's hooks do in its place (or is the fix's)
+    raised: bool = False  # the register function raised on the throwaway module
+
+    @property
+    def leaks(self) -> bool | None:
+        """Whether the hooks read leak this way (None: they could not be read)."""
+        return None if self.kind == UNREADABLE else self.kind == LEAKS
+
+
+def read(library: Library, register: Any) -> Reading:
+    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module."""
+    named = f"{library.module_name}.{library.register_name}()"
+    if not callable(register):
+        return Reading(UNREADABLE, f"{library.module_name} has no {library.register_name}()")
+    throwaway = torch.nn.Module()
+    throwaway.weight = torch.nn.Parameter(torch.zeros(1, 1), requires_grad=False)
+    try:
+        register(throwaway, "weight")
+    except Exception as error:
+        said = f"{named} raised {type(error).__name__} on a throwaway module"
+        return Reading(UNREADABLE, said, raised=True)
+    return registered(throwaway, Hooks.none(), named)
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """The keys of a module's forward hooks at one moment, to tell what a call registered."""
+
+    pre_hooks: frozenset[int]
+    off_hooks: frozenset[int]
+
+    @classmethod
+    def none(cls) -> Hooks:
+        return cls(frozenset(), frozenset())
+
+    @classmethod
+    def of(cls, module: Any) -> Hooks:
+        return cls(frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks))
+
+
+def registered(module: Any, before: Hooks, named: str) -> Reading:
+    """What ``named`` registered on ``module``, whose hooks were ``before`` until it did."""
+    pre_keys = [key for key in module._forward_pre_hooks if key not in before.pre_hooks]
+    off_keys = [key for key in module._forward_hooks if key not in before.off_hooks]
+    if not pre_keys and not off_keys:
+        return Reading(NOTHING, f"{named} registers no forward hooks")
+    with_kwargs = set(module._forward_pre_hooks_with_kwargs) | set(module._forward_hooks_with_kwargs)
+    if len(pre_keys) != 1 or len(off_keys) != 1 or with_kwargs & {*pre_keys, *off_keys}:
+        said = f"{named} registers {len(pre_keys)} pre-hooks and {len(off_keys)} forward hooks, not one pair"
+        return Reading(UNREADABLE, said)
+    pair = (module._forward_pre_hooks[pre_keys[0]], module._forward_hooks[off_keys[0]])
+    replaceable = _is_the_fixs(pair) or _does_what_the_fix_does(pair)
+    if off_keys[0] in module._forward_hooks_always_called:
+        said = f"{named} registers an off hook that torch calls even when a forward raises"
+        return Reading(ALWAYS_OFF, said, pair, replaceable)
+    said = f"{named} registers an off hook that torch skips when a forward raises"
+    return Reading(LEAKS, said, pair, replaceable)
+
+
+def _is_the_fixs(pair: tuple[Any, Any]) -> bool:
+    codes = (hooks.enable_code.__code__, hooks.disable_code.__code__)
+    return all(getattr(function, "__code__", None) is code for function, code in zip(pair, codes))
+
+
+class _StandIn:
+    """torch's parametrize module as the pair sees it: a counter and a cache."""
+
+    def __init__(self, counter: int) -> None:
+        self._cache_enabled = counter
+        self._cache: dict[Any, Any] = {"a weight": None}
+
+
+def _on_a_stand_in(function: Any, counter: int, *arguments: Any) -> _StandIn:
+    """Run a copy of ``function`` whose globals are a stand-in wherever it has torch's parametrize module
+    (and nothing else but pure builtins), on a counter at ``counter``; returns the stand-in after."""
+    stand_in = _StandIn(counter)
+    names: dict[str, Any] = {name: stand_in for name, value in function.__globals__.items() if value is P}
+    names["__builtins__"] = _PURE_BUILTINS
+    code, defaults, closure = function.__code__, function.__defaults__, function.__closure__
+    copy = FunctionType(code, names, function.__name__, defaults, closure)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy(*arguments)
+    return stand_in
+
+
+def _does_what_the_fix_does(pair: tuple[Any, Any]) -> bool:
+    """Whether the pre-hook adds 1 to the counter, leaving the cache, and the off hook takes 1 off,
+    emptying the cache only at 0: what the fix's hooks do in their place. False for anything that is not
+    a plain Python function of the library's module, or reaches for anything else."""
+    pre_hook, off_hook = pair
+    throwaway = torch.nn.Module()
+    try:
+        adds = [_on_a_stand_in(pre_hook, counter, throwaway, ()) for counter in (0, 1)]
+        takes = [_on_a_stand_in(off_hook, counter, throwaway, (), None) for counter in (2, 1)]
+    except Exception:  # a builtin, a functools.partial, a global it needs that the stand-in lacks
+        return False
+    added = [after._cache_enabled for after in adds] == [1, 2] and all(after._cache for after in adds)
+    taken = [after._cache_enabled for after in takes] == [1, 0]
+    emptied = bool(takes[0]._cache) and not takes[1]._cache
+    return added and taken and emptied
