@@ -1,13 +1,12 @@
 """The benchmarks' one harness (benchmarks/README.md, "How to read a ratio"): alternating rounds and what
-their ratios read as, worker processes, the three configurations of the memory benchmarks (bitsandbytes
-0.50's pairs among them), a training step and what it leaves, machine facts and the result files. The
-scripts import it by path: ``python benchmarks/<script>.py`` puts this folder first on ``sys.path``.
+their ratios read as, worker processes, the configurations of the memory benchmarks, a training step, and
+the result files. The scripts import it by path: ``python benchmarks/<script>.py`` puts this folder first
+on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -18,16 +17,16 @@ import subprocess
 import sys
 import threading
 import time
-import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
-DOCS = ROOT / "docs"
+RAW = RESULTS / "tmp"  # git-ignored: raw runs, and every quick run
 NO_DIFFERENCE = "no measurable difference"
 
 T = TypeVar("T")
@@ -46,19 +45,13 @@ def is_cuda(device: object) -> bool:
 # --------------------------------------------------------------------------- statistics
 
 
-def median(values: list[float]) -> float:
-    return float(statistics.median(values))
-
-
 @dataclass(frozen=True)
 class Spread:
-    """The median of some per-round values and their interquartile range (q1-q3), min and max."""
+    """The median of some values and their interquartile range (q1-q3)."""
 
     median: float
     q1: float
     q3: float
-    min: float
-    max: float
 
     @classmethod
     def of(cls, values: list[float]) -> Spread:
@@ -66,18 +59,19 @@ class Spread:
             q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
         else:
             q1 = q3 = values[0]
-        return cls(median=median(values), q1=q1, q3=q3, min=min(values), max=max(values))
+        return cls(median=float(statistics.median(values)), q1=q1, q3=q3)
 
     def contains(self, value: float) -> bool:
         """Whether ``value`` lies inside the interquartile range."""
         return self.q1 <= value <= self.q3
 
     def record(self) -> dict[str, float]:
-        return {"median": self.median, "q1": self.q1, "q3": self.q3, "min": self.min, "max": self.max}
+        return asdict(self)
 
-    def text(self, unit: str = "x", digits: int = 3) -> str:
-        """``1.112x (1.105-1.118)``: the median and the interquartile range."""
-        return f"{self.median:.{digits}f}{unit} ({self.q1:.{digits}f} to {self.q3:.{digits}f}{unit})"
+    def text(self, unit: str = "x", digits: int = 3, scale: float = 1.0) -> str:
+        """``1.112x (1.105 to 1.118)``: the median and the interquartile range, each divided by ``scale``."""
+        low, middle, high = self.q1 / scale, self.median / scale, self.q3 / scale
+        return f"{middle:.{digits}f}{unit} ({low:.{digits}f} to {high:.{digits}f})"
 
 
 def ratios(numerators: list[float], denominators: list[float]) -> list[float]:
@@ -130,32 +124,22 @@ def loop(call: Callable[[], Any]) -> Timed:
     return timed
 
 
-def blocks(configs: dict[str, Timed], calls: int, rounds: int, baseline: str) -> dict[str, Any]:
-    """Time a block of ``calls`` calls of every configuration per round, alternating, garbage collector off.
-    The record: the block size and rounds, every round's ns per call, and the median ns per call."""
+def _per_call(timed: Timed, calls: int) -> float:
+    return timed(calls) / calls
+
+
+def blocks(configs: dict[str, Timed], calls: int, rounds: int) -> dict[str, list[float]]:
+    """Every configuration's ns per call in blocks of ``calls`` calls, one block a round, alternating, the
+    garbage collector off; by configuration, one value a round."""
     for timed in configs.values():  # warm up
         timed(max(calls // 10, 1))
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        elapsed = alternate({name: _per_call(timed, calls) for name, timed in configs.items()}, rounds)
+        return alternate({name: partial(_per_call, timed, calls) for name, timed in configs.items()}, rounds)
     finally:
         if gc_was_enabled:
             gc.enable()
-    return {
-        "calls_per_block": calls,
-        "rounds": rounds,
-        "baseline": baseline,
-        "median_ns_per_call": {name: median(values) for name, values in elapsed.items()},
-        "ns_per_call_by_round": elapsed,
-    }
-
-
-def _per_call(timed: Timed, calls: int) -> Callable[[], float]:
-    def block() -> float:
-        return timed(calls) / calls
-
-    return block
 
 
 # --------------------------------------------------------------------------- worker processes
@@ -169,23 +153,14 @@ def emit(message: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def commands() -> Iterator[dict[str, Any]]:
-    """A worker's side: the driver's commands (``Worker.send``), one JSON line each on stdin."""
-    for line in sys.stdin:
-        yield json.loads(line)
-
-
 def worker_command(script: Path, options: dict[str, Any]) -> list[str]:
-    """``python script --option value ...``: True gives the flag alone, False or None leaves it out, and a
-    list gives its values one after the other."""
+    """``python script --option value ...``: True gives the flag alone, False or None leaves it out."""
     command = [sys.executable, str(script)]
     for name, value in options.items():
         if value is None or value is False:
             continue
         command.append("--" + name.replace("_", "-"))
-        if isinstance(value, (list, tuple)):
-            command += [str(item) for item in value]
-        elif value is not True:
+        if value is not True:
             command.append(str(value))
     return command
 
@@ -199,8 +174,7 @@ class Worker:
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT
         )
         self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
+        threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -223,32 +197,26 @@ class Worker:
         return message
 
     def close(self) -> None:
-        """Ask it to quit (``{"cmd": "quit"}``); kill it if it has not within a minute."""
-        if self.process.poll() is None:
-            try:
-                self.send({"cmd": "quit"})
-                self.process.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
+        """Close its stdin (a worker ends there); kill it if it has not ended within a minute."""
+        assert self.process.stdin is not None
+        try:
+            self.process.stdin.close()
+            self.process.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.process.kill()
 
 
 # --------------------------------------------------------------------------- the configurations
 
-#: The memory benchmarks' configurations, in the order they are reported.
-UNFIXED = "unfixed"
-PACKAGE = "bnb-gc-fix"
-UPSTREAM = "upstream-0.50"
-CONFIGS = (UNFIXED, PACKAGE, UPSTREAM)
-DESCRIPTIONS = {
-    UNFIXED: "bitsandbytes as installed, BNB_GC_FIX=0",
-    PACKAGE: "bitsandbytes as installed + import bnb_gc_fix",
-    UPSTREAM: "bitsandbytes as installed, BNB_GC_FIX=0, upstream 0.50's hooks patched in by the benchmark",
-}
+UNFIXED = "unfixed"  # bitsandbytes 0.49.2 as installed, BNB_GC_FIX=0
+PACKAGE = "bnb-gc-fix"  # the same, and `import bnb_gc_fix`
+UPSTREAM = "upstream-0.50"  # BNB_GC_FIX=0, bitsandbytes 0.50's pairs put into 0.49.2 by the benchmark
+WORKAROUND = "workaround"  # BNB_GC_FIX=0, the report's workaround: the experts' bare forward checkpointed
 
 
 def config_env(config: str) -> dict[str, str]:
-    """The environment of a fresh worker running ``config``: the two without the package switch its
-    start-up hook off (it would turn the fix on in every process of a venv it is installed in)."""
+    """The environment of a fresh worker running ``config``: all but the package's switch its start-up
+    hook off (it would turn the fix on in every process of a venv it is installed in)."""
     env = dict(os.environ)
     env.pop("BNB_GC_FIX", None)
     if config != PACKAGE:
@@ -257,8 +225,11 @@ def config_env(config: str) -> dict[str, str]:
     return env
 
 
-#: bitsandbytes 0.50.2's disable hook, verbatim but for its comment and annotations.
-UPSTREAM_DISABLE = """
+#: bitsandbytes 0.50.2's two hooks, verbatim but for comments and annotations.
+UPSTREAM_HOOKS = """
+def _enable_parametrization_cache(module, inputs):
+    P._cache_enabled += 1
+
 def _disable_parametrization_cache(module, inputs, output):
     P._cache_enabled = max(0, P._cache_enabled - 1)
     if not P._cache_enabled:
@@ -266,43 +237,25 @@ def _disable_parametrization_cache(module, inputs, output):
 """
 
 
-def copy_of(function: Any) -> types.FunctionType:
-    """A new function object with ``function``'s own code, globals, defaults and closure, so that the
-    fix, which swaps the code of bitsandbytes' functions, never reaches it; taken before the fix is in."""
-    code = function.__code__
-    if code.co_filename != function.__globals__.get("__file__"):
-        raise RuntimeError(f"{function.__qualname__} runs code from {code.co_filename}: copy it earlier")
-    return types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__)
-
-
-def register_with(enable: Any, disable: Any, always_call: bool) -> Callable[..., None]:
-    """A ``_register_parametrization_hooks`` registering ``enable`` and ``disable`` (``always_call`` as
-    0.50 does, or plain as 0.48-0.49 do) beside the installed bitsandbytes' state dict hook."""
+def upstream_register() -> Callable[[Any, str], None]:
+    """bitsandbytes 0.50's ``_register_parametrization_hooks`` on the installed bitsandbytes: its two hooks
+    (``UPSTREAM_HOOKS``, compiled in the installed module's namespace, so they read ``P`` as 0.50's do), the
+    disable hook always called, beside the installed state dict hook. Every module it registers on gets the
+    same two functions, as in 0.50."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
+    hooks: dict[str, Any] = {}
+    exec(UPSTREAM_HOOKS, vars(bnb_parametrize), hooks)
+    enable = hooks["_enable_parametrization_cache"]
+    disable = hooks["_disable_parametrization_cache"]
     state_dict_hook = bnb_parametrize._parametrized_state_dict_post_hook
 
     def _register_parametrization_hooks(module: Any, param_name: str) -> None:
-        module.register_state_dict_post_hook(functools.partial(state_dict_hook, param_name=param_name))
+        module.register_state_dict_post_hook(partial(state_dict_hook, param_name=param_name))
         module.register_forward_pre_hook(enable)
-        module.register_forward_hook(disable, always_call=always_call)
+        module.register_forward_hook(disable, always_call=True)
 
     return _register_parametrization_hooks
-
-
-@functools.cache
-def upstream_hooks() -> tuple[Callable[..., None], Callable[..., None]]:
-    """Upstream 0.50's ``(_register_parametrization_hooks, _disable_parametrization_cache)`` on the installed
-    bitsandbytes: its disable hook (``UPSTREAM_DISABLE``, compiled in the installed module's namespace, so it
-    reads ``P`` as 0.50's does), registered always-called after a copy of the installed enable hook (the
-    same code in 0.48-0.50). Made once: every module gets the same two functions, as in 0.50."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
-
-    defined: dict[str, Any] = {}
-    exec(UPSTREAM_DISABLE, vars(bnb_parametrize), defined)
-    disable: Callable[..., None] = defined["_disable_parametrization_cache"]
-    enable = copy_of(bnb_parametrize._enable_parametrization_cache)
-    return register_with(enable, disable, always_call=True), disable
 
 
 def start(config: str, threads: int | None) -> None:
@@ -316,32 +269,38 @@ def start(config: str, threads: int | None) -> None:
     if config == UPSTREAM:
         import bitsandbytes.nn.parametrize as bnb_parametrize
 
-        register, disable = upstream_hooks()
-        bnb_parametrize._disable_parametrization_cache = disable
-        bnb_parametrize._register_parametrization_hooks = register
+        bnb_parametrize._register_parametrization_hooks = upstream_register()
+
+
+def checkpoint_experts_by_hand(model: Any) -> None:
+    """The report's workaround: every experts module's bare forward (its ``forward``, not the module call
+    that runs bitsandbytes' hooks) inside a non-reentrant ``torch.utils.checkpoint``."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        experts.forward = partial(checkpoint, experts.forward, use_reentrant=False)
 
 
 def fix_state(config: str) -> dict[str, Any]:
     """Evidence that a worker runs the configuration it claims to (SystemExit where it does not): with the
-    package, its status protected; without, the package never imported."""
-    imported = "bnb_gc_fix" in sys.modules
-    state: dict[str, Any] = {"bnb_gc_fix_imported": imported}
-    if imported:
-        status = sys.modules["bnb_gc_fix"].status()
-        state.update(state=status.state, reason=status.reason, covered=status.covered)
-    if config == PACKAGE and state.get("state") != "protected":
-        raise SystemExit(f"bnb-gc-fix does not protect the {config} worker: {state}")
-    if config != PACKAGE and imported:
-        raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
-    return state
+    package, its status protected and the package imported from this checkout; without, never imported."""
+    imported = sys.modules.get("bnb_gc_fix")
+    if config != PACKAGE:
+        if imported is not None:
+            raise SystemExit(f"bnb_gc_fix was imported in the {config} worker (is BNB_GC_FIX=0 set?)")
+        return {"bnb_gc_fix_imported": False}
+    status = imported.status() if imported is not None else None
+    if status is None or status.state != "protected":
+        raise SystemExit(f"bnb-gc-fix does not protect the {config} worker: {status}")
+    return {"bnb_gc_fix_imported": True, "from": imported.__file__, "state": status.state}
 
 
 # --------------------------------------------------------------------------- training
 
 
-def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[Any, Any, list[Any]]:
-    """The report's loop around ``model``: (AdamW over its trainable parameters, fixed random input ids,
-    those parameters)."""
+def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[Any, Any]:
+    """The report's loop around ``model``: AdamW over its trainable parameters, fixed random input ids."""
     import torch
 
     model.config.use_cache = False
@@ -350,11 +309,11 @@ def trainer(model: Any, lr: float, batch: int, seq: int, device: str) -> tuple[A
     optimizer = torch.optim.AdamW(trainable, lr=lr)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
-    return optimizer, ids, trainable
+    return optimizer, ids
 
 
-def train_step(model: Any, ids: Any, optimizer: Any, step: int, cuda: bool) -> dict[str, Any]:
-    """One training step, timed, and what it left behind: torch's cache, resident memory (and CUDA's)."""
+def train_step(model: Any, ids: Any, optimizer: Any, cuda: bool) -> dict[str, Any]:
+    """One training step, timed, and what it left behind in torch's cache (and CUDA's memory)."""
     import torch
 
     if cuda:
@@ -367,118 +326,71 @@ def train_step(model: Any, ids: Any, optimizer: Any, step: int, cuda: bool) -> d
     optimizer.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - started
-    counter, entries, cached = cache_state()
-    status = proc_status()
-    record: dict[str, Any] = {
-        "step": step,
-        "step_s": elapsed,
-        "loss": float(loss.item()),
-        "counter": counter,
-        "cache_entries": entries,
-        "cache_bytes": cached,
-        "rss_bytes": status.get("VmRSS"),
-        "peak_rss_bytes": status.get("VmHWM"),
-    }
+    record: dict[str, Any] = {"step_s": time.perf_counter() - started, "loss": float(loss.item())}
+    record.update(cache_state())
     if cuda:
         record["allocated_bytes"] = torch.cuda.memory_allocated()
         record["max_allocated_bytes"] = torch.cuda.max_memory_allocated()
     return record
 
 
-def cache_state() -> tuple[int, int, int]:
-    """torch's parametrization cache right now: (counter, entries, bytes held by its tensors)."""
+def cache_state() -> dict[str, int]:
+    """torch's parametrization cache right now: its counter, entries, and bytes held by its tensors."""
     import torch
     import torch.nn.utils.parametrize as P
 
-    held = 0
-    for tensor in list(P._cache.values()):
-        if isinstance(tensor, torch.Tensor):
-            held += tensor.numel() * tensor.element_size()
-    return int(P._cache_enabled), len(P._cache), held
+    tensors = [value for value in list(P._cache.values()) if isinstance(value, torch.Tensor)]
+    held = sum(tensor.numel() * tensor.element_size() for tensor in tensors)
+    return {"counter": int(P._cache_enabled), "cache_entries": len(P._cache), "cache_bytes": held}
 
 
-def proc_status() -> dict[str, int]:
-    """This process's VmRSS and VmHWM (/proc/self/status, in bytes); empty where there is no /proc."""
-    found: dict[str, int] = {}
-    try:
-        with open("/proc/self/status") as fields:
-            for line in fields:
-                key, _, value = line.partition(":")
-                if key in ("VmRSS", "VmHWM"):
-                    found[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return found
-
-
-# --------------------------------------------------------------------------- machine facts
+# --------------------------------------------------------------------------- machine facts and results
 
 
 def machine() -> dict[str, Any]:
-    """What the figures were measured on (every result JSON's ``machine``), the load average as called."""
+    """What the figures were measured on, with the load average as called."""
+    from importlib.metadata import version
+
+    import torch
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "processor": _cpu_model(),
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "cpus": os.cpu_count(),
+        "load": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "bitsandbytes": version("bitsandbytes"),
+        "transformers": version("transformers"),
     }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            info["gpu"] = torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("bitsandbytes", "transformers"):
-        try:
-            info[name] = version(name)
-        except PackageNotFoundError:
-            pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
     return info
 
 
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+def machine_line(info: dict[str, Any]) -> str:
+    """The machine facts as the last line of a result."""
+    where = info.get("gpu") or f"{info['cpus']} CPUs, no GPU"
+    return (
+        f"Measured on {where}: CPython {info['python']}, torch {info['torch']}, bitsandbytes "
+        f"{info['bitsandbytes']}, transformers {info['transformers']}; load average {info['load']:.2f} at "
+        "the start."
+    )
 
 
-# --------------------------------------------------------------------------- results
-
-
-def output_path(name: str, quick: bool, chosen: Path | None = None) -> Path:
-    """``chosen``, else ``results/<name>``, or ``results/tmp/<name>`` for a quick run (not a result)."""
-    if chosen is not None:
-        return chosen
-    return (RESULTS / "tmp" if quick else RESULTS) / name
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def write_results(output: Path, result: dict[str, Any], text: str) -> None:
-    """A benchmark's result: JSON at ``output``, its Markdown beside it (``.md``), the Markdown printed."""
-    write_json(output, result)
-    output.with_suffix(".md").write_text(text)
+def write_results(name: str, result: dict[str, Any], text: str, quick: bool, output: Path | None) -> None:
+    """A run's raw JSON (``output``, else results/tmp/NAME.json) and its Markdown, the result a reader
+    opens: results/NAME.md, or beside the JSON for a quick run or a chosen ``output``."""
+    raw = output or RAW / f"{name}.json"
+    shown = raw.with_suffix(".md") if quick or output else RESULTS / f"{name}.md"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(result, indent=2) + "\n")
+    shown.write_text(text)
     print(text)
-    print(f"wrote {output} and its .md", file=sys.stderr)
+    print(f"wrote {shown} (raw: {raw})", file=sys.stderr)
 
 
-def table(header: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
-    """A Markdown table; the columns at the indices ``left`` are left-aligned, the others right-aligned."""
-    rule = "|" + "|".join("---" if index in left else "---:" for index in range(len(header))) + "|"
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table, its first column left-aligned, the others right-aligned."""
+    rule = "|---|" + "---:|" * (len(header) - 1)
     return [_row(header), rule, *(_row(row) for row in rows)]
 
 
@@ -486,5 +398,5 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def mib(value: float | None) -> str:
-    return "n/a" if value is None else f"{value / 2**20:.1f} MiB"
+def mib(value: float) -> str:
+    return f"{value / 2**20:.1f} MiB"

@@ -1,10 +1,9 @@
 """Hot-path benchmark: what a forward of a MoE experts module (two parameters quantized by
 ``replace_parameter_4bit``) costs with the fix, against bitsandbytes 0.50's own always-called pairs on the
-same module; a second 0.50 module is the noise floor, bitsandbytes 0.49's plain pairs a reference. Four
-cases: the hook bodies called directly, the hooks through torch's ``Module.__call__``, a real 4-bit
-forward on one thread, the same module served from 8 threads (benchmarks/README.md, "Hot path").
+same module, a second 0.50 module being the noise floor. Three cases: the hook bodies called directly, a
+real 4-bit forward on one thread, the same module served from 8 threads (benchmarks/README.md, "Hot path").
 
-    python benchmarks/hotpath.py            # writes results/hotpath.json, .md
+    python benchmarks/hotpath.py            # results/hotpath.md
     python benchmarks/hotpath.py --quick    # 5 rounds of fewer calls (smoke run, results/tmp/)
 """
 
@@ -15,11 +14,10 @@ import os
 os.environ["BNB_GC_FIX"] = "0"  # before bitsandbytes is imported: the fix goes in by hand, below
 
 import contextlib
-import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,29 +25,30 @@ import _harness as harness
 
 BASELINE = "bnb 0.50 pairs"
 FIX = "bnb-gc-fix"
-FLOOR = "bnb 0.50 pairs, a second module (noise floor)"
-PLAIN = "bnb 0.49 plain pairs (reference)"
-#: The hooks each module carries after quantization: (pre-hooks, forward hooks, always-called ones).
-HOOKS = {BASELINE: (2, 2, 2), FIX: (1, 1, 1), FLOOR: (2, 2, 2), PLAIN: (2, 2, 0)}
+FLOOR = "bnb 0.50 pairs, a second module"
+#: The hooks each module carries once quantized: (pre-hooks, forward hooks, always-called ones).
+HOOKS = {BASELINE: (2, 2, 2), FIX: (1, 1, 1), FLOOR: (2, 2, 2)}
 NAMES = ("gate_up_proj", "down_proj")  # transformers 5's fused experts
-EXPERTS, HIDDEN, INTERMEDIATE, TOKENS = 8, 64, 64, 8
+EXPERTS, HIDDEN, INTERMEDIATE, TOKENS, THREADS = 8, 64, 64, 8, 8
 
 
 def registers() -> dict[str, Callable[..., None] | None]:
     """Each configuration's ``_register_parametrization_hooks`` (None: bitsandbytes' own, which the fix
-    wraps). The references' hook functions are copies made before ``patch.apply`` gives the fix's code to
-    bitsandbytes' own functions, process-wide, as the start-up hook does."""
+    wraps). The fix goes in as the start-up hook puts it in: bitsandbytes' two hook functions get its code,
+    process-wide, and its register function covers each module it quantizes."""
     import bitsandbytes.nn.parametrize as bnb_parametrize
 
     import _bnb_gc_fix
-    from bnb_gc_fix import patch
+    from bnb_gc_fix import patch, reading
 
-    upstream = harness.upstream_hooks()[0]
-    enable = harness.copy_of(bnb_parametrize._enable_parametrization_cache)
-    disable = harness.copy_of(bnb_parametrize._disable_parametrization_cache)
-    plain = harness.register_with(enable, disable, always_call=False)
-    patch.apply(bnb_parametrize, _bnb_gc_fix.BITSANDBYTES)
-    return {BASELINE: upstream, FIX: None, FLOOR: upstream, PLAIN: plain}
+    library = _bnb_gc_fix.BITSANDBYTES
+    what = reading.read(library, patch.own_register(bnb_parametrize, library))
+    assert what.kind == reading.LEAKS and what.replaceable, what
+    assert what.pair is not None
+    patch.apply(what.pair)
+    patch.wrap_register(bnb_parametrize, library, decide=None)
+    upstream = harness.upstream_register()
+    return {BASELINE: upstream, FIX: None, FLOOR: upstream}
 
 
 @contextlib.contextmanager
@@ -73,7 +72,7 @@ def experts_module(name: str, register: Callable[..., None] | None) -> Any:
     import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
 
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import cover
 
     class Experts(torch.nn.Module):
         def __init__(self) -> None:
@@ -92,103 +91,66 @@ def experts_module(name: str, register: Callable[..., None] | None) -> Any:
     with registering(register):
         for parameter in NAMES:
             bnb_parametrize.replace_parameter_4bit(module, parameter, quant_type="nf4")
-    hooks = (
-        len(module._forward_pre_hooks),
-        len(module._forward_hooks),
-        len(module._forward_hooks_always_called),
-    )
+    always = module._forward_hooks_always_called
+    hooks = (len(module._forward_pre_hooks), len(module._forward_hooks), len(always))
     assert hooks == HOOKS[name], (name, hooks)
-    assert gate.is_taken_over(module) is (name == FIX), name
+    assert cover.is_covered(module) is (name == FIX), name
     return module.requires_grad_(False)
 
 
-def experts_modules(made: dict[str, Callable[..., None] | None]) -> dict[str, Any]:
-    return {name: experts_module(name, register) for name, register in made.items()}
-
-
-def same_outputs(modules: dict[str, Any], x: Any) -> None:
-    """Every configuration's module computes the same output (no grad)."""
+def experts_modules(registers_: dict[str, Callable[..., None] | None]) -> dict[str, Any]:
+    """One experts module per configuration, their outputs checked equal."""
     import torch
 
+    modules = {name: experts_module(name, register) for name, register in registers_.items()}
     with torch.no_grad():
-        outputs = [module(x) for module in modules.values()]
+        outputs = [module(tokens()) for module in modules.values()]
     assert all(torch.equal(outputs[0], output) for output in outputs)
+    return modules
 
 
-def _case(result: dict[str, Any]) -> dict[str, Any]:
-    """Every configuration's ratio to the baseline, and the fix's reading against the noise floor."""
-    by_round = result["ns_per_call_by_round"]
-    result["ratio_to_baseline"] = {
-        name: harness.Spread.of(harness.ratios(values, by_round[BASELINE])).record()
-        for name, values in by_round.items()
-        if name != BASELINE
-    }
-    result["fix_over_baseline"] = harness.compare(by_round[FIX], by_round[BASELINE], by_round[FLOOR])
-    return result
+def tokens() -> Any:
+    import torch
+
+    return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
 
 
-def _hook_bodies(module: Any) -> Callable[[], None]:
-    """One forward's hooks of ``module``, called as torch calls them (pre-hooks, then forward hooks, each
-    in order), without the module call."""
+def hook_bodies(module: Any) -> Callable[[], None]:
+    """One forward's hooks of ``module``, called as torch calls them (each pre-hook, then each forward
+    hook), without the module call."""
     pre_hooks = tuple(module._forward_pre_hooks.values())
     forward_hooks = tuple(module._forward_hooks.values())
     args = (None,)
-    output = None
 
     def call() -> None:
         for hook in pre_hooks:
             hook(module, args)
         for hook in forward_hooks:
-            hook(module, args, output)
+            hook(module, args, None)
 
     return call
 
 
-def hook_bodies(made: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
-    """Case a: the hook bodies of the experts module, called directly."""
-    modules = experts_modules(made)
-    configs = {name: harness.loop(_hook_bodies(module)) for name, module in modules.items()}
-    return _case(harness.blocks(configs, calls, rounds, BASELINE))
-
-
-def _passthrough(x: Any) -> Any:
-    return x
-
-
-def hooks_through_call(made: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
-    """Case a2: the hooks through torch's module call, the forward one that returns its input (torch's
-    dispatch of the hooks, always-called ones included, is the work)."""
+def forward(module: Any) -> Callable[[], Any]:
+    """A no-grad 4-bit forward of ``module`` (both parameters dequantized)."""
     import torch
 
-    modules = experts_modules(made)
-    for module in modules.values():
-        module.forward = _passthrough
-    x = torch.zeros(1)
-    configs = {name: harness.loop(partial(module, x)) for name, module in modules.items()}
-    return _case(harness.blocks(configs, calls, rounds, BASELINE))
+    x = tokens()
+
+    def call() -> Any:
+        with torch.no_grad():
+            return module(x)
+
+    return call
 
 
-def forward_one_thread(made: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
-    """Case b: a real no-grad 4-bit forward of the experts module (both parameters dequantized), one
-    thread."""
-    import torch
-
-    modules = experts_modules(made)
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
-    same_outputs(modules, x)
-    with torch.no_grad():
-        configs = {name: harness.loop(partial(module, x)) for name, module in modules.items()}
-        result = harness.blocks(configs, calls, rounds, BASELINE)
-    return _case(result)
-
-
-class _Pool:
+class Pool:
     """``threads`` threads that stay up for the whole case (a server's pool): each block, every one runs
-    ``n`` no-grad forwards of ``module``; the block's time is the wall time from the start to the last
-    one done."""
+    ``n`` forwards of ``module``; the block's time is the wall time from the start to the last one done."""
 
-    def __init__(self, module: Any, x: Any, threads: int) -> None:
-        self.module, self.x, self.n = module, x, 0
+    def __init__(self, module: Any, threads: int) -> None:
+        self.call = forward(module)
+        self.n = 0
         self.start = threading.Barrier(threads + 1)
         self.done = threading.Barrier(threads + 1)
         self.stopping = False
@@ -197,15 +159,12 @@ class _Pool:
             thread.start()
 
     def _serve(self) -> None:
-        import torch
-
         while True:
             self.start.wait()
             if self.stopping:
                 return
-            with torch.no_grad():
-                for _ in range(self.n):
-                    self.module(self.x)
+            for _ in range(self.n):
+                self.call()
             self.done.wait()
 
     def timed(self, n: int) -> int:
@@ -222,99 +181,81 @@ class _Pool:
             thread.join()
 
 
-def served(made: dict[str, Any], threads: int, forwards: int, rounds: int) -> dict[str, Any]:
-    """Case c: the experts module served from ``threads`` threads at once."""
-    import torch
+def case(
+    title: str, configs: dict[str, harness.Timed], calls: int, rounds: int, unit: str = "calls"
+) -> dict[str, Any]:
+    """Time a case in blocks of ``calls`` calls; its record: every configuration's median ns per call, and
+    the fix against the 0.50 pairs beside the noise floor."""
+    by_round = harness.blocks(configs, calls, rounds)
+    found = harness.compare(by_round[FIX], by_round[BASELINE], by_round[FLOOR])
+    found["title"] = f"{title} ({rounds} rounds x {calls:,} {unit})"
+    found["median_ns"] = {name: harness.Spread.of(values).median for name, values in by_round.items()}
+    found["ns_by_round"] = by_round
+    return found
 
-    modules = experts_modules(made)
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
-    same_outputs(modules, x)
-    pools = {name: _Pool(module, x, threads) for name, module in modules.items()}
+
+def served(modules: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
+    """Case c: each module served from ``THREADS`` threads at once."""
+    pools = {name: Pool(module, THREADS) for name, module in modules.items()}
     try:
-        configs: dict[str, harness.Timed] = {name: pool.timed for name, pool in pools.items()}
-        result = harness.blocks(configs, forwards, rounds, BASELINE)
+        timed: dict[str, harness.Timed] = {name: pool.timed for name, pool in pools.items()}
+        title = f"c. the same from {THREADS} threads at once, per forward of each thread"
+        return case(title, timed, calls, rounds, unit="forwards a thread")
     finally:
         for pool in pools.values():
             pool.close()
-    result["threads"] = threads
-    return _case(result)
-
-
-TITLES = {
-    "hook_bodies": "a. Hook bodies called directly (0.50: two enable, two disable hooks; the fix: one pair)",
-    "hooks_through_call": "a2. The same hooks through torch's Module.__call__, forward returns its input",
-    "forward_1_thread": "b. A real 4-bit forward of the experts module, 1 thread",
-    "forward_8_threads": "c. The same module served from 8 threads (per forward of one thread, all at once)",
-}
-
-
-def _case_markdown(title: str, case: dict[str, Any]) -> list[str]:
-    rows = []
-    for name, value in case["median_ns_per_call"].items():
-        ratio = "baseline" if name == BASELINE else harness.Spread(**case["ratio_to_baseline"][name]).text()
-        rows.append([name, f"{value / 1e3:.3f} µs", ratio])
-    header = ["configuration", "median per call", "ratio to 0.50 pairs: median of rounds (IQR)"]
-    lines = [f"**{title}**, {case['rounds']} rounds of {case['calls_per_block']:,} calls", ""]
-    lines += harness.table(header, rows)
-    comparison = case["fix_over_baseline"]
-    ratio = harness.Spread(**comparison["ratio"]).text()
-    floor = harness.Spread(**comparison["noise_floor"]).text()
-    lines += ["", f"bnb-gc-fix / 0.50 pairs {ratio}; noise floor {floor}: **{comparison['result']}**."]
-    return [*lines, ""]
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = []
-    for key, title in TITLES.items():
-        lines += _case_markdown(title, result[key])
-    return "\n".join(lines)
+    header = ["case", "0.50 pairs", "bnb-gc-fix", "bnb-gc-fix / 0.50 pairs", "noise floor", "result"]
+    rows = []
+    for found in result["cases"]:
+        rows.append(
+            [
+                found["title"],
+                f"{found['median_ns'][BASELINE] / 1e3:.3f} µs",
+                f"{found['median_ns'][FIX] / 1e3:.3f} µs",
+                harness.Spread(**found["ratio"]).text(),
+                harness.Spread(**found["noise_floor"]).text(),
+                f"**{found['result']}**",
+            ]
+        )
+    lines = [
+        "Per call: the median of the blocks' times; ratios: the median of the per-round ratios "
+        "(interquartile range); torch on 1 thread.",
+        "",
+        *harness.table(header, rows),
+        "",
+        harness.machine_line(result["machine"]),
+    ]
+    return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> None:
     parser = harness.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=101)
     parser.add_argument("--quick", action="store_true", help="5 rounds of fewer calls")
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--output", type=Path, help="the raw JSON (its .md beside it)")
     args = parser.parse_args(argv)
     scale = 10 if args.quick else 1
     rounds = 5 if args.quick else args.rounds
-    import warnings
-
     import torch
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # bitsandbytes' CPU backend, every call
     torch.set_num_threads(1)
-    started = time.perf_counter()
-    made = registers()
-    result: dict[str, Any] = {
-        "benchmark": "hotpath",
-        "machine": harness.machine(),
-        "method": (
-            "one process, configurations timed in blocks of calls, block order alternating every round, "
-            "garbage collector off during blocks, wall time; ratio = median over rounds of block time / "
-            "the 0.50 pairs' block time of the same round, with the interquartile range; noise floor: a "
-            "second 0.50-pairs module timed in the same rounds"
-        ),
-        "configurations": {
-            BASELINE: "0.50.2's disable hook, always called, after a copy of the installed enable hook",
-            FIX: "bitsandbytes' own functions given the fix's code by bnb_gc_fix.patch.apply, one pair",
-            FLOOR: "as the baseline, a second module",
-            PLAIN: "copies of bitsandbytes 0.49.2's own enable and disable hook, registered as it does",
-        },
-        "shape": {
-            "gate_up_proj": [EXPERTS, 2 * INTERMEDIATE, HIDDEN],
-            "down_proj": [EXPERTS, HIDDEN, INTERMEDIATE],
-        },
-        "hook_bodies": hook_bodies(made, 10000 // scale, rounds),
-        "hooks_through_call": hooks_through_call(made, 2000 // scale, rounds),
-        "forward_1_thread": forward_one_thread(made, 200 // scale, rounds),
-        "forward_8_threads": served(made, 8, 40 // scale, rounds),
-    }
-    result["wall_s"] = time.perf_counter() - started
-    output = harness.output_path("hotpath.json", args.quick, args.output)
-    harness.write_results(output, result, markdown(result))
-    return result
+    machine = harness.machine()
+    modules = experts_modules(registers())
+    bodies = {name: harness.loop(hook_bodies(module)) for name, module in modules.items()}
+    forwards = {name: harness.loop(forward(module)) for name, module in modules.items()}
+    cases = [
+        case("a. hook bodies called directly", bodies, 10000 // scale, rounds),
+        case("b. a real 4-bit forward, 1 thread", forwards, 200 // scale, rounds),
+        served(modules, 40 // scale, rounds),
+    ]
+    result = {"benchmark": "hotpath", "machine": machine, "cases": cases}
+    name = "hotpath-quick" if args.quick else "hotpath"
+    harness.write_results(name, result, markdown(result), args.quick, args.output)
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -3,9 +3,9 @@ trained with gradient checkpointing, unfixed against this package, each in a fre
 holds after every step, the chunked quantization that builds the layer on a small machine, and the
 16-layer figure as arithmetic: benchmarks/README.md, "Full size".
 
-    python benchmarks/olmoe_full.py                # full width, one layer: results/olmoe-full-cpu.json, .md
+    python benchmarks/olmoe_full.py --device cuda  # on a GPU: results/olmoe-full-cuda.md
+    python benchmarks/olmoe_full.py                # full width on the CPU: results/olmoe-full-cpu.md
     python benchmarks/olmoe_full.py --smoke        # reduced width, same code path (results/tmp/)
-    python benchmarks/olmoe_full.py --device cuda  # on a GPU (quantized in one call; not run yet)
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -288,23 +287,18 @@ def worker(args: argparse.Namespace) -> None:
     chunk: int | None = SMOKE_CHUNK if args.smoke else CHUNK
     if cuda:
         chunk = None  # on CUDA, bitsandbytes' own quantize_4bit, one call a tensor
-    started = time.perf_counter()
     shapes: list[list[int]] = []
     model = build_model(args.device, args.smoke, chunk, shapes)
     model.gradient_checkpointing_enable()
-    optimizer, ids, trainable = harness.trainer(model, 1e-4, 1, args.seq, args.device)
-    harness.emit(
-        {
-            "ready": column,
-            "build_s": time.perf_counter() - started,
-            "fix": harness.fix_state(column),
-            "quantized_in_chunks": shapes,
-            "trainable_parameters": sum(parameter.numel() for parameter in trainable),
-            "expert_parameters_per_layer": expert_parameters_per_layer(model.config),
-        }
-    )
-    for step in range(args.steps):
-        harness.emit({"record": harness.train_step(model, ids, optimizer, step, cuda)})
+    optimizer, ids = harness.trainer(model, 1e-4, 1, args.seq, args.device)
+    ready = {
+        "fix": harness.fix_state(column),
+        "quantized_in_chunks": shapes,
+        "expert_parameters_per_layer": expert_parameters_per_layer(model.config),
+    }
+    harness.emit(ready)
+    for _ in range(args.steps):
+        harness.emit(harness.train_step(model, ids, optimizer, cuda))
 
 
 # --------------------------------------------------------------------------- the driver
@@ -320,44 +314,28 @@ def run_column(column: str, args: argparse.Namespace) -> dict[str, Any]:
         "smoke": args.smoke,
     }
     command = harness.worker_command(Path(__file__).resolve(), options)
-    started = time.perf_counter()
     watched = harness.Worker(column, command, harness.config_env(column))
     ready = watched.receive()
-    steps = [watched.receive()["record"] for _ in range(args.steps)]
+    steps = [watched.receive() for _ in range(args.steps)]
     watched.close()
-    return {
-        "column": column,
-        "description": harness.DESCRIPTIONS[column],
-        "env_BNB_GC_FIX": harness.config_env(column).get("BNB_GC_FIX"),
-        "wall_s": time.perf_counter() - started,
-        **{key: value for key, value in ready.items() if key != "ready"},
-        "steps": steps,
-    }
-
-
-def expected_cache_bytes(column: str, parameters_per_layer: int) -> int:
-    """What the cache holds after every step: unfixed, the layer's expert stacks dequantized (bfloat16)."""
-    return parameters_per_layer * 2 if column == harness.UNFIXED else 0
+    return {"column": column, **ready, "steps": steps}
 
 
 def anchor(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's anchor: unfixed, the counter climbs by 2 a step (2, 4, ...) and the cache holds the
-    layer's expert stacks after every step (805,306,368 bytes at full width); fixed, 0 and 0 bytes."""
-    per_layer = runs[0]["expert_parameters_per_layer"]
-    result: dict[str, Any] = {"expected_bytes": per_layer * 2}
+    layer's expert stacks in bfloat16 after every step (805,306,368 bytes at full width); fixed, 0 and 0."""
+    expected_bytes = runs[0]["expert_parameters_per_layer"] * 2
     reproduced = True
     for run in runs:
-        column = run["column"]
         counters = [record["counter"] for record in run["steps"]]
         held = [record["cache_bytes"] for record in run["steps"]]
-        climbing = [2 * (step + 1) for step in range(len(counters))]
-        result[f"{column}_counters"] = counters
-        result[f"{column}_cache_bytes"] = held
-        expected_counters = climbing if column == harness.UNFIXED else [0] * len(counters)
-        expected_held = [expected_cache_bytes(column, per_layer)] * len(held)
+        if run["column"] == harness.UNFIXED:
+            expected_counters = [2 * (step + 1) for step in range(len(counters))]
+            expected_held = [expected_bytes] * len(held)
+        else:
+            expected_counters = expected_held = [0] * len(counters)
         reproduced = reproduced and counters == expected_counters and held == expected_held
-    result["reproduced"] = reproduced
-    return result
+    return {"expected_bytes": expected_bytes, "reproduced": reproduced}
 
 
 def losses_identical(runs: list[dict[str, Any]]) -> bool:
@@ -366,62 +344,52 @@ def losses_identical(runs: list[dict[str, Any]]) -> bool:
     return all(other == losses[0] for other in losses[1:])
 
 
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model": "reduced width (smoke)" if args.smoke else "allenai/OLMoE-1B-7B-0924 shapes",
-        "shape": dict(SMOKE if args.smoke else OLMOE_1B_7B),
-        "layers_built": 1,
-        "columns": list(COLUMNS),
-        "steps": args.steps,
-        "batch": 1,
-        "seq": args.seq,
-        "dtype": "bfloat16",
-        "quantization": "nf4, blocksize 64, no double quantization; experts via replace_parameter_4bit, "
-        "attention projections Linear4bit, router gate and lm_head bfloat16",
-        "trainable": "router gate (.mlp.gate.) only, AdamW lr 1e-4",
-    }
-
-
 # --------------------------------------------------------------------------- the report
 
 
-def markdown(result: dict[str, Any]) -> str:
-    settings_ = result["settings"]
-    machine = result["machine"]
-    runs = result["runs"]
-    cuda = harness.is_cuda(result["device"])
+def step_rows(runs: list[dict[str, Any]], cuda: bool) -> tuple[list[str], list[list[str]]]:
+    """The per-step table: each column's counter and cache bytes (and peak allocated on CUDA)."""
     header = ["step"]
     for run in runs:
-        header += [f"{run['column']}: counter", f"{run['column']}: cache bytes"]
-        header += [f"{run['column']}: peak allocated"] if cuda else []
+        header += [f"{run['column']}: counter", f"{run['column']}: bytes held by the cache"]
+        if cuda:
+            header.append(f"{run['column']}: peak allocated")
     rows = []
-    for step in range(settings_["steps"]):
+    for step in range(len(runs[0]["steps"])):
         row = [str(step + 1)]
         for run in runs:
             record = run["steps"][step]
             row += [str(record["counter"]), f"{record['cache_bytes']:,}"]
-            row += [f"{record['max_allocated_bytes']:,}"] if cuda else []
+            if cuda:
+                row.append(f"{record['max_allocated_bytes']:,}")
         rows.append(row)
-    found = result["anchor"]
+    return header, rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    settings = result["settings"]
+    runs = result["runs"]
+    header, rows = step_rows(runs, harness.is_cuda(settings["device"]))
     per_layer = runs[0]["expert_parameters_per_layer"]
-    layers = settings_["shape"]["num_hidden_layers"]
+    layers = OLMOE_1B_7B["num_hidden_layers"]
+    width = "reduced width, a smoke run" if settings["smoke"] else "allenai/OLMoE-1B-7B-0924's shapes"
+    training = f"batch 1x{settings['seq']}, gradient checkpointing, router gate trained"
+    steps = len(runs[0]["steps"])
     lines = [
-        f"One decoder layer of OLMoE-1B-7B ({settings_['model']}), random weights, bfloat16, nf4; "
-        f"batch 1x{settings_['seq']}, gradient checkpointing, router gate trained, "
-        f"{settings_['steps']} steps on {result['device']}; torch {machine.get('torch')}, "
-        f"bitsandbytes {machine.get('bitsandbytes')}, transformers {machine.get('transformers')}, "
-        f"{machine.get('cpu_count')} CPUs "
-        f"({machine.get('processor')}). Wall time {result['wall_s'] / 60:.1f} min.",
+        f"One decoder layer of OLMoE-1B-7B ({width}), random weights, bfloat16, nf4; {training}, {steps} "
+        f"steps on {settings['device']}.",
         "",
         *harness.table(header, rows),
         "",
         f"Expected: unfixed, the layer's {per_layer:,} expert parameters x 2 bytes = "
-        f"{found['expected_bytes']:,} bytes after every step, the counter climbing by 2 a step; "
-        f"bnb-gc-fix 0. Reproduced: **{found['reproduced']}**. "
-        f"Losses identical in both columns at every step: **{result['losses_identical']}**.",
+        f"{result['anchor']['expected_bytes']:,} bytes after every step, the counter climbing by 2 a step; "
+        f"bnb-gc-fix 0. Reproduced: **{result['anchor']['reproduced']}**. Losses identical in both columns "
+        f"at every step: **{result['losses_identical']}**.",
         "",
         f"All {layers} layers (arithmetic, not measured): {layers} x {per_layer:,} x 2 bytes = "
         f"{layers * per_layer * 2:,} bytes.",
+        "",
+        harness.machine_line(result["machine"]),
     ]
     return "\n".join(lines) + "\n"
 
@@ -435,25 +403,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=SEQ)
     parser.add_argument("--smoke", action="store_true", help="reduced width, same code path; results/tmp/")
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--output", type=Path, help="the raw JSON (its .md beside it)")
     parser.add_argument("--worker", choices=COLUMNS, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.worker:
         worker(args)
-        return None
+        return
     cuda = harness.is_cuda(args.device)
-    name = f"olmoe-full-{'cuda' if cuda else 'cpu'}{'-smoke' if args.smoke else ''}.json"
-    output = harness.output_path(name, args.smoke, args.output)
-    started = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "olmoe-full",
-        "device": args.device,
         "machine": harness.machine(),
-        "settings": settings(args),
+        "settings": {"device": args.device, "smoke": args.smoke, "seq": args.seq},
     }
     if not cuda:  # the chunks the build quantizes in, against one call (CUDA quantizes in one call)
         result["chunking_check"] = check_chunking(2**16, 5000) if args.smoke else check_chunking()
@@ -464,9 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     result["runs"] = runs
     result["anchor"] = anchor(runs)
     result["losses_identical"] = losses_identical(runs)
-    result["wall_s"] = time.perf_counter() - started
-    harness.write_results(output, result, markdown(result))
-    return result
+    name = f"olmoe-full-{'cuda' if cuda else 'cpu'}{'-smoke' if args.smoke else ''}"
+    harness.write_results(name, result, markdown(result), args.smoke, args.output)
 
 
 if __name__ == "__main__":
