@@ -40,7 +40,10 @@ PENDING = "pending"  # read on the first module it quantizes (its register funct
 class Decision:
     """What the fix decided for one library's module."""
 
-    module: ModuleType | None = None  # the module object decided for (None: not yet; a reload makes another)
+    module: ModuleType | None = None  # the module object decided for (None: not yet)
+    register: object = (
+        None  # its register function as the decision left it (its code run again makes another)
+    )
     outcome: str | None = None  # FIXED, NOT_NEEDED, UNREAD, CANNOT_FIX or PENDING
     said: str = ""  # what its register function was read to register (reading.Reading.said)
     leaks: bool | None = None  # its hooks were read to leak this way (None: not read)
@@ -120,19 +123,36 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
     logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
 
 
+def decided_for(library: Library, module: object) -> bool:
+    """Whether the decision for the library is for ``module`` as its code last ran (imported again, or
+    reloaded, it has a register function of its own)."""
+    decision = fix.decisions[library.name]
+    register = getattr(module, library.register_name, None)
+    return decision.module is module and decision.register is register
+
+
 def _decide(library: Library, module: ModuleType) -> None:
     """Read what the library module's register function registers, and put the fix in where it is needed
     and can be."""
     from bnb_gc_fix import patch, reading
 
     decision = fix.decisions[library.name]
-    if decision.module is module and decision.outcome in (FIXED, PENDING):
+    if decided_for(library, module) and decision.outcome in (FIXED, PENDING):
         return  # nothing new to read (the mode may have changed: the fix stays in)
     decision.module = module
     what = reading.read(library, patch.own_register(module, library))
-    if not what.raised:
+    if what.raised:
+        _wait_for_a_real_module(library, module, what)
+    else:
         _settle(library, module, what)
-        return
+    decision.register = getattr(module, library.register_name, None)
+
+
+def _wait_for_a_real_module(library: Library, module: ModuleType, what: Reading) -> None:
+    """The register function raised on a throwaway module: the first module it quantizes decides."""
+    from bnb_gc_fix import patch
+
+    decision = fix.decisions[library.name]
     decision.outcome = PENDING
     decision.said = what.said
 
@@ -141,10 +161,10 @@ def _decide(library: Library, module: ModuleType) -> None:
             with lock.held():
                 _settle(library, module, real)
         except Exception as error:
-            what_failed = f"{type(error).__name__}: {error}"
-            warn_quietly(
-                message(f"bnb-gc-fix could not decide for {library.name}:", what_failed), PatchSkippedWarning
+            said = message(
+                f"bnb-gc-fix could not decide for {library.name}:", f"{type(error).__name__}: {error}"
             )
+            warn_quietly(said, PatchSkippedWarning)
 
     patch.wrap_register(module, library, decide=settle_later)
 
@@ -172,8 +192,9 @@ def _read_switch() -> str:
         warn_quietly(said, SwitchValueWarning)
     if mode == startup.OFF and fix.turned_on_by is not None:
         said = message(
-            f"{startup.VARIABLE}={switch!r} cannot switch the fix off in a running process: it stays on.",
-            f"Set {startup.VARIABLE}=0 before the process starts to run without it.",
+            f"{startup.VARIABLE}={switch!r} came too late: the fix stays on in this process.",
+            f"A running process cannot switch it off; set {startup.VARIABLE}=0 before the process starts "
+            "to run without it.",
         )
         warn_quietly(said, SwitchValueWarning)
         return fix.mode

@@ -67,6 +67,6 @@ class Ending:
             parts.append(f"The cache is off and empty now ({self.cached_bytes} bytes were cached).")
         else:
             above = f", {self.left} above where it was when {where} began" if self.left else ""
-            who = status().who_keeps_it_on()
-            parts.append(f"The cache is still on (counter {self.counter}{above}): {who}")
+            keeping = status().who_keeps_it_on()
+            parts.append(f"The cache is still on (counter {self.counter}{above}): {keeping}.")
         return message(f"{who}: {where} left the cache switched on.", " ".join(parts))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
@@ -23,13 +23,6 @@ PROTECTED = "protected"  # the fix covers the modules quantized here with a leak
 NOT_AFFECTED = "not affected"  # nothing here is quantized with code that leaks this way, so far
 STATES = (UNPROTECTED, PROTECTED, NOT_AFFECTED)
 
-#: What may keep the cache on where the fix's forwards do not account for it, and no module leaks.
-OTHER_CAUSES = (
-    "bnb-gc-fix cannot tell what else switched it on (a P.cached() block still open, a forward running on "
-    "another thread or begun before the fix was on). If nothing keeps it on on purpose, "
-    f"{cache.RESET_ADVICE}."
-)
-
 
 @dataclass(frozen=True)
 class LibraryStatus:
@@ -38,6 +31,7 @@ class LibraryStatus:
     name: str
     version: str | None  # None while it is not imported
     affected: bool | None  # its hooks, as imported now, were read to leak this way (None: not read)
+    fixed: bool  # the fix is in its hooks now
     state: str  # one of STATES
     reason: str  # why, and what to do, in a sentence
     covered: int  # the modules quantized with it that the fix covers
@@ -142,16 +136,27 @@ class Status:
         return labelled("cache", text)
 
     def who_keeps_it_on(self) -> str:
-        """What keeps the cache on beyond the fix's own forwards: modules that leak this way first."""
+        """What keeps the cache on beyond the fix's own forwards: modules that leak this way first, else
+        what may (a Ctrl-C in hooks the fix is not in and that do not need it, an open P.cached() block,
+        a forward on another thread), and when reset() is safe."""
         leaking = [library for library in self.libraries if library.leaking]
         if leaking:
             named = " and ".join(f"{possessive(library.name)} own hooks" for library in leaking)
-            number = sum(library.leaking for library in leaking)
-            runs = "runs" if number == 1 else "run"
-            return f"left on by {named} ({counted(number, 'module')} {runs} without the fix)"
-        said = OTHER_CAUSES
+            why = "the fix is off" if self.turned_on_by is None else "the fix is not in them"
+            return f"left on by {named} ({why})"
+        causes = [
+            f"a Ctrl-C inside a forward of {library.name} {library.version}'s own hooks"
+            for library in self.libraries
+            if library.affected is False and not library.fixed
+        ]
+        causes += [
+            "a P.cached() block still open",
+            "a forward running on another thread or begun before the fix was on",
+        ]
+        said = f"bnb-gc-fix cannot tell what else switched it on ({'; '.join(causes)}). If nothing keeps it "
+        said += f"on on purpose, {cache.RESET_ADVICE}"
         if self.from_the_fix:
-            said = f"the fix's own forwards account for {self.from_the_fix} of it: {said}"
+            said = f"the fix's own forwards account for {self.from_the_fix} of it; {said}"
         return said
 
     def __str__(self) -> str:
@@ -159,16 +164,27 @@ class Status:
 
 
 # --- one library's state ---------------------------------------------------------------------------------
-def _nothing_quantized(library: Library) -> str:
+class _Found(NamedTuple):
+    state: str
+    reason: str
+    covered: int = 0
+    leaking: int = 0
+
+
+def _nothing_quantized(library: Library, leaking_release: str | None = None) -> str:
+    """No module quantized that way; ``leaking_release``: the release whose hooks were read to leak."""
     said = f"no module in this process has weights quantized with {library.quantizer_name} now"
+    notes = []
+    if leaking_release is not None:
+        notes.append(f"only such weights leak, in {library.name} {leaking_release}")
     if library is BITSANDBYTES:
-        said += " (BitsAndBytesConfig's Linear4bit layers never use the cache)"
-    return said
+        notes.append("BitsAndBytesConfig's Linear4bit layers never use the cache")
+    return f"{said} ({'; '.join(notes)})" if notes else said
 
 
 def _cross_check(library: Library, version: str, leaks: bool) -> str:
-    """Where the release number says otherwise than what the library's code was read to do, a sentence
-    that says so (else nothing)."""
+    """Where the release number says otherwise than what the library's code was read to do, a clause that
+    says so (else nothing)."""
     by_number = releases.in_the_leaking_range(library, version)
     if by_number is None or by_number == leaks:
         return ""
@@ -178,45 +194,43 @@ def _cross_check(library: Library, version: str, leaks: bool) -> str:
     return f" ({library.name} {version} does not, though {releases_named} do)"
 
 
-def _without_the_fix(library: Library, why: str) -> tuple[str, str, int, int]:
-    """The state where the fix is not in the library's code: the modules that leak decide it."""
+def _without_the_fix(library: Library, why: str) -> _Found:
+    """Where the fix is not in the library's code: the modules that leak decide the state."""
     leaking = census.leaking_modules(library.module_name)
     if leaking:
         verb = "leaks" if leaking == 1 else "leak"
         quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer_name}"
-        return UNPROTECTED, f"{quantized} {verb} this way: {why}", 0, leaking
+        return _Found(UNPROTECTED, f"{quantized} {verb} this way: {why}", leaking=leaking)
     said = f"no module quantized here with {library.quantizer_name} leaks this way now. Weights quantized "
     said += f"that way would run without the fix: {why}"
-    return NOT_AFFECTED, said, 0, 0
+    return _Found(NOT_AFFECTED, said)
 
 
-def _with_the_fix(library: Library, version: str) -> tuple[str, str, int, int]:
-    decision = activation.fix.decisions[library.name]
+def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
     covered = cover.number_holding(list(decision.pre_hooks))
     if decision.late:  # quantized before the fix was in: each is covered at its next forward
         covered += census.leaking_modules(library.module_name)
     checked = _cross_check(library, version, leaks=True) if decision.leaks else ""
     if covered:
         quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer_name}"
-        return PROTECTED, f"the fix covers {quantized}{checked}", covered, 0
-    return NOT_AFFECTED, f"{_nothing_quantized(library)}{checked}", 0, 0
+        return _Found(PROTECTED, f"the fix covers {quantized}{checked}", covered=covered)
+    leaking_release = version if decision.leaks else None
+    return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
 
 
-def _not_needed(library: Library, version: str) -> tuple[str, str, int, int]:
-    decision = activation.fix.decisions[library.name]
+def _not_needed(library: Library, version: str, decision: activation.Decision) -> _Found:
     said = f"{library.name} {version}: {decision.said}{_cross_check(library, version, leaks=False)}: "
     said += (
         "nothing to fix. A Ctrl-C inside a forward still leaves the cache on: a notebook cell's end reports "
         f"it, and {startup.VARIABLE}=force puts the fix into these hooks too, so that the layer's next "
         "forward switches it off"
     )
-    return NOT_AFFECTED, said, 0, 0
+    return _Found(NOT_AFFECTED, said)
 
 
-def _why_the_fix_is_not_in(library: Library, module: object) -> str:
+def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> str:
     """Why the fix is not in the library's code now, and what puts it in."""
     fix = activation.fix
-    decision = fix.decisions[library.name]
     if fix.turned_on_by is None:
         return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
     if decision.module is None:
@@ -224,7 +238,7 @@ def _why_the_fix_is_not_in(library: Library, module: object) -> str:
             f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
             "of its own): import bnb_gc_fix before that hook is installed, or call bnb_gc_fix.activate()"
         )
-    if decision.module is not module:
+    if not activation.decided_for(library, sys.modules.get(library.module_name)):
         return (
             f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
             "bnb_gc_fix.activate() puts the fix back in"
@@ -236,35 +250,44 @@ def _why_the_fix_is_not_in(library: Library, module: object) -> str:
     return f"bnb-gc-fix cannot read what its hooks do: {decision.said}"
 
 
-def _library_state(library: Library, version: str | None) -> tuple[str, str, int, int]:
-    """The library's state, why, and how many modules quantized with it the fix covers, and leak."""
-    if version is None:
-        return NOT_AFFECTED, f"{library.name} is not imported in this process", 0, 0
+def _decided_here(library: Library) -> activation.Decision | None:
+    """What the fix decided for the library's module as it is imported now (None: nothing, or for a module
+    object no longer imported, or the fix is off)."""
     module = sys.modules.get(library.module_name)
-    if module is None:
-        return NOT_AFFECTED, _nothing_quantized(library), 0, 0
-    decision = activation.fix.decisions[library.name]
-    if activation.fix.turned_on_by is not None and decision.module is module:
-        if decision.outcome == activation.FIXED:
-            return _with_the_fix(library, version)
-        if decision.outcome == activation.NOT_NEEDED:
-            return _not_needed(library, version)
-    return _without_the_fix(library, _why_the_fix_is_not_in(library, module))
-
-
-def _affected(library: Library) -> bool | None:
-    """Whether the library's hooks, as imported now, were read to leak this way (None: not read)."""
-    decision = activation.fix.decisions[library.name]
-    if decision.module is None or decision.module is not sys.modules.get(library.module_name):
+    if activation.fix.turned_on_by is None or module is None or not activation.decided_for(library, module):
         return None
-    return decision.leaks
+    return activation.fix.decisions[library.name]
+
+
+def _found(library: Library, version: str | None) -> _Found:
+    if version is None:
+        return _Found(NOT_AFFECTED, f"{library.name} is not imported in this process")
+    if sys.modules.get(library.module_name) is None:
+        return _Found(NOT_AFFECTED, _nothing_quantized(library))
+    decision = _decided_here(library)
+    if decision is not None and decision.outcome == activation.FIXED:
+        return _with_the_fix(library, version, decision)
+    if decision is not None and decision.outcome == activation.NOT_NEEDED:
+        return _not_needed(library, version, decision)
+    return _without_the_fix(library, _why_the_fix_is_not_in(library, activation.fix.decisions[library.name]))
 
 
 def _library_status(library: Library) -> LibraryStatus:
     version = releases.version_of(library.name)
-    state, reason, covered, leaking = _library_state(library, version)
-    affected = None if version is None else _affected(library)
-    return LibraryStatus(library.name, version, affected, state, reason, covered, leaking)
+    found = _found(library, version)
+    decision = _decided_here(library)
+    affected = None if decision is None else decision.leaks
+    fixed = decision is not None and decision.outcome == activation.FIXED
+    return LibraryStatus(
+        name=library.name,
+        version=version,
+        affected=affected,
+        fixed=fixed,
+        state=found.state,
+        reason=found.reason,
+        covered=found.covered,
+        leaking=found.leaking,
+    )
 
 
 def status() -> Status:

@@ -28,6 +28,8 @@ import pytest
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
+#: The checkout whose package the scenarios run: this one, or BNB_GC_FIX_TEST_AGAINST's (docs/development.md).
+UNDER_TEST = Path(os.environ.get("BNB_GC_FIX_TEST_AGAINST") or ROOT)
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 TINY_OLMOE = SCENARIOS / "tiny_olmoe.py"
 

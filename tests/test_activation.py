@@ -97,17 +97,27 @@ def test_broken_install_prints_nothing(tmp_path: Path, broken: str) -> None:
         "import bitsandbytes.nn.parametrize; print('ok')",
         check=False,
         executable=str(made.python),
+        env=_only_the_venv(),
         cwd=tmp_path,
         fresh="a venv of its own, with the broken install",
     )
     assert (result.returncode, result.stdout.strip(), result.stderr) == (0, "ok", "")
 
 
+def _only_the_venv() -> dict[str, str]:
+    """The scenario's environment without PYTHONPATH: a venv of its own sees only its own site-packages
+    (BNB_GC_FIX_TEST_AGAINST puts another checkout there, which a broken install must not find)."""
+    env = environment()
+    env.pop("PYTHONPATH", None)
+    return env
+
+
 def test_broken_install_control_a_naive_pth_line_prints_a_traceback(tmp_path: Path) -> None:
     made = bare_venv(tmp_path / "venv")
     (made.site_packages / "naive.pth").write_text("import _bnb_gc_fix; _bnb_gc_fix.install()\n")
     fresh = "a venv of its own, with the naive line"
-    result = run_code("pass", check=False, executable=str(made.python), cwd=tmp_path, fresh=fresh)
+    env = _only_the_venv()
+    result = run_code("pass", check=False, executable=str(made.python), env=env, cwd=tmp_path, fresh=fresh)
     assert "Error processing line" in result.stderr
 
 
@@ -293,49 +303,54 @@ def test_torchrun_control_switched_off_leaks_on_both_ranks(tmp_path: Path) -> No
 
 
 PENDING = """
-import json, os
+import json, os, warnings
 import bnb_gc_fix
 s = bnb_gc_fix.status()
 pending = s.on and s.state == "not affected"
-cancel = sys.argv[1]  # what happens to the pending fix before bitsandbytes is imported
-if cancel == "deactivate":
-    bnb_gc_fix.deactivate()
-elif cancel == "switched-off-and-read":
-    os.environ["BNB_GC_FIX"] = "off"
-    bnb_gc_fix.activate()
-elif cancel == "switched-off-unread":  # set after activation, read by nothing until the next activate()
-    os.environ["BNB_GC_FIX"] = "off"
-elif cancel != "nothing":
-    raise SystemExit(f"unknown cancel {cancel!r}")
-from bitsandbytes.nn import parametrize
+later = sys.argv[1]  # what happens before bitsandbytes is imported
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    if later == "switched-off-and-read":
+        os.environ["BNB_GC_FIX"] = "off"
+        bnb_gc_fix.activate()
+    elif later == "switched-off-unread":  # set after activation, read by nothing until the next activate()
+        os.environ["BNB_GC_FIX"] = "off"
+    elif later != "nothing":
+        raise SystemExit(f"unknown {later!r}")
+    from bitsandbytes.nn import parametrize
+ours = [" ".join(str(w.message).split()) for w in caught if isinstance(w.message, bnb_gc_fix.BnbGcFixWarning)]
 status = bnb_gc_fix.status()
 print(json.dumps([pending, hasattr(parametrize._register_parametrization_hooks, "__wrapped__"),
-    status.on, status.switch, status.reason]))
+    status.on, status.switch, status.reason, ours]))
 """
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: the fix goes into its code")
-@pytest.mark.parametrize(
-    ("cancel", "reason"),
-    [
-        ("nothing", "no module in this process has weights quantized with replace_parameter_4bit now"),
-        ("deactivate", "the fix is off (deactivate() switched it off"),
-        ("switched-off-and-read", "the fix is off (BNB_GC_FIX='off'"),
-    ],
-    ids=["control-stays-pending", "deactivate", "switched-off-and-read"],
-)
-def test_a_pending_fix_can_be_cancelled(cancel: str, reason: str) -> None:
-    pending, wrapped, on, _, said = run_code(PENDING, cancel, prelude="without-startup-hook").last_json
-    assert pending is True
-    assert (wrapped, on) == ((True, True) if cancel == "nothing" else (False, False))
-    assert reason in said
+@pytest.mark.parametrize("later", ["nothing", "switched-off-unread"])
+def test_a_waiting_fix_goes_in_when_bitsandbytes_is_imported(later: str) -> None:
+    # BNB_GC_FIX=off set after the fix turned on, and read by nothing: status() reports the value read.
+    facts = run_code(PENDING, later, prelude="without-startup-hook").last_json
+    pending, wrapped, on, switch, said, warned = facts
+    assert (pending, wrapped, on, switch, warned) == (True, True, True, None, [])
+    assert "no module in this process has weights quantized with replace_parameter_4bit now" in said
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes: the fix goes into its code")
-def test_the_switch_is_read_once_per_activation() -> None:
-    # Set after activation, BNB_GC_FIX=off changes nothing until the next activate(); status() reports
-    # the value the activation read.
-    pending, wrapped, on, switch, _ = run_code(
-        PENDING, "switched-off-unread", prelude="without-startup-hook"
+def test_off_read_by_activate_after_the_fix_turned_on_keeps_it_on_and_says_so() -> None:
+    # There is no switching the fix off in a running process: BNB_GC_FIX=0 from its start is the off
+    # switch. One warning says so; the fix goes into bitsandbytes as it is imported.
+    pending, wrapped, on, switch, _, warned = run_code(
+        PENDING, "switched-off-and-read", prelude="without-startup-hook"
     ).last_json
     assert (pending, wrapped, on, switch) == (True, True, True, None)
+    assert warned == [
+        "BNB_GC_FIX='off' came too late: the fix stays on in this process. A running process cannot "
+        "switch it off; set BNB_GC_FIX=0 before the process starts to run without it."
+    ]
+
+
+def test_importing_the_package_imports_none_of_the_libraries() -> None:
+    libraries = "{'torch', 'bitsandbytes', 'transformers'}"
+    code = f"import bnb_gc_fix; print(json.dumps(sorted({libraries} & set(sys.modules))))"
+    fresh = "what importing the package imports (the warm parent imported them all)"
+    assert run_code(code, prelude="scenarios", fresh=fresh).last_json == []

@@ -1,7 +1,8 @@
 """The canary: what bnb-gc-fix relies on inside torch and bitsandbytes, checked on the installed releases.
 
-The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, gives
-bitsandbytes' two hook functions its code and wraps its register function. None of that is a public API
+The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, calls
+bitsandbytes' register function on a throwaway module to read what it registers, gives the two hook
+functions it finds its code, and wraps the register function. None of that is a public API
 of torch or bitsandbytes: a new release may change any of it. Each test here states one such fact
 and fails loudly (it never skips) when the installed release no longer has it; the cell ``latest``
 (cells.toml) runs it on the newest torch, bitsandbytes and transformers of the day, and the README's
@@ -22,9 +23,6 @@ from conftest import AFFECTED, BITSANDBYTES, FIRST_AFFECTED, SCENARIOS, TORCH, r
 from packaging.version import Version
 
 pytestmark = [pytest.mark.canary, pytest.mark.stack]
-
-ENABLE = "_enable_parametrization_cache"
-DISABLE = "_disable_parametrization_cache"
 
 
 @cache
@@ -124,14 +122,18 @@ def test_bitsandbytes_is_installed_with_the_parametrize_module() -> None:
 
 
 def test_bitsandbytes_functions() -> None:
-    """The hook functions the fix gives its code, the register function it wraps, and
+    """The register function the fix reads (by its name; renamed, the fix is silent and reads nothing) and
     ``replace_parameter_4bit(module, param_name, ...)``."""
     found = fact("bitsandbytes", "functions")
-    assert found == {
-        "_register_parametrization_hooks": True,
-        ENABLE: True,
-        DISABLE: True,
-        "replace_parameter_4bit": True,
+    assert found == {"_register_parametrization_hooks": True, "replace_parameter_4bit": True}
+
+
+def test_the_package_reads_the_installed_release() -> None:
+    """What reading.py finds on the installed release: the leaking pair in the affected range, an
+    always-called one after, either one the fix can take the place of."""
+    assert fact("bitsandbytes", "read") == {
+        "kind": "leaks" if AFFECTED else "always off",
+        "replaceable": True,
     }
 
 
@@ -143,12 +145,12 @@ def test_a_hook_function_given_other_code_keeps_its_identity_and_a_module_runs_t
     }
 
 
-def test_bitsandbytes_registers_one_named_pair_per_parameter() -> None:
-    """What the fix takes over: one enable pre-hook and one disable forward hook per parameter, bitsandbytes'
-    own functions; plain in the affected range, always-called after."""
+def test_bitsandbytes_registers_one_pair_per_parameter() -> None:
+    """What the fix covers: one pre-hook and one off hook per parameter, bitsandbytes' own functions; plain
+    in the affected range, always-called after."""
     expected = {
-        "pre_hooks": [ENABLE],
-        "forward_hooks": [DISABLE],
+        "pre_hooks": 1,
+        "forward_hooks": 1,
         "from": ["bitsandbytes.nn.parametrize"],
         "always_called": not AFFECTED,
     }

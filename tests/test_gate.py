@@ -213,9 +213,8 @@ import bnb_gc_fix
 from bitsandbytes.nn import parametrize
 module = quantized.make(params=2)
 if sys.argv[1] == "upstream-style":
-    # The control: bitsandbytes' own pair, its off hook always called, as bitsandbytes 0.50 has it
-    # (without its clamp): nothing pairs a hold with the call that took it.
-    bnb_gc_fix.deactivate()
+    # The control (the fix off): bitsandbytes' own pair, its off hook always called, as bitsandbytes 0.50
+    # has it (without its clamp): nothing pairs a switch-on with the call that made it.
     for key in list(module._forward_hooks):
         del module._forward_hooks[key]
     for key in list(module._forward_pre_hooks):
@@ -242,24 +241,27 @@ print(json.dumps(counts))
 """
 
 
-def test_earlier_pre_hook_raising_never_releases_a_hold_it_did_not_take() -> None:
+def test_earlier_pre_hook_raising_never_switches_off_what_its_forward_did_not_switch_on() -> None:
     assert run_code(EARLIER_PRE_HOOK, "fix", prelude="scenarios").last_json == [1, 1, 1, 0]
 
 
 def test_earlier_pre_hook_control_unpaired_always_call_hook_goes_wrong() -> None:
-    counts = run_code(EARLIER_PRE_HOOK, "upstream-style", prelude="scenarios").last_json
+    counts = run_code(EARLIER_PRE_HOOK, "upstream-style", prelude="scenarios", switch="0").last_json
     assert counts[0] == 0  # the off hook released the outer cached() hold it never took
 
 
-# --- one pair per module; activate, deactivate ---------------------------------------------------
+# --- one pair per module; activate() ----------------------------------------------------------------
 
 PAIRING = """
+import inspect
 import torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
-own = (parametrize._enable_parametrization_cache.__code__, parametrize._register_parametrization_hooks)
-import bnb_gc_fix
+pair = (parametrize._enable_parametrization_cache, parametrize._disable_parametrization_cache)
+own = [inspect.signature(function) for function in pair]
 import quantized
+plain = quantized.make(params=2)  # before the package turned the fix on: bitsandbytes' two plain pairs
+import bnb_gc_fix
 
 def pairing(module):
     # [the counter inside a forward, the counter a forward raising an Exception leaves]: [1, 0] for one
@@ -280,116 +282,26 @@ def pairing(module):
 facts = {}
 bnb_gc_fix.activate()
 bnb_gc_fix.activate()
-taken_over = quantized.make(params=2)
-facts["taken over"] = pairing(taken_over)
-bnb_gc_fix.deactivate()  # once: after two activate() calls, bitsandbytes' own code is back
-current = (parametrize._enable_parametrization_cache.__code__, parametrize._register_parametrization_hooks)
-facts["own code back"] = current == own
-facts["state off"] = bnb_gc_fix.status().state
-facts["covered off"] = bnb_gc_fix.status().covered
-plain = torch.nn.Sequential(quantized.make(params=2), quantized.make(params=1), torch.nn.Linear(4, 4))
-facts["plain"] = pairing(plain[0])
-facts["taken over, while off"] = pairing(taken_over)  # one pair, bitsandbytes' code
-bnb_gc_fix.activate()
-facts["covered on again"] = bnb_gc_fix.status().covered  # taken over anew at its next forward
-facts["quantized while off, at its next forward"] = pairing(plain[0])
+facts["covered"] = pairing(quantized.make(params=2))
+facts["quantized before, at its next forward"] = pairing(plain)
+facts["state"] = bnb_gc_fix.status().state
+facts["signatures"] = [inspect.signature(function) == mine for function, mine in zip(pair, own)]
+facts["shown"] = str(inspect.signature(pair[0]))
 print(json.dumps(facts))
 """
 
 
-def test_activate_is_idempotent_and_deactivate_puts_bitsandbytes_back() -> None:
+def test_activate_is_idempotent_one_always_called_pair_per_module_and_the_signatures_are_bitsandbytes() -> (
+    None
+):
     facts = run_code(PAIRING, prelude="scenarios-without-startup-hook").last_json
-    assert facts["taken over"] == [1, 0]  # one always-called pair for two quantized parameters
-    assert facts["own code back"]  # one deactivate() undid two activate()
-    assert facts["state off"] == "unprotected"
-    assert facts["covered off"] == 0  # bitsandbytes' own code: no module holds the fix's hooks
-    assert facts["covered on again"] == 1
-    assert facts["plain"] == [2, 2]  # quantized while the fix was off: bitsandbytes' two plain pairs
-    assert facts["taken over, while off"] == [1, 1]  # one pair, plain as bitsandbytes registers it
-    assert facts["quantized while off, at its next forward"] == [1, 0]  # taken over by that forward
-
-
-# A module the fix took over, after deactivate(): a pre-hook ahead of bitsandbytes' raising (bitsandbytes'
-# own code then runs, as without the fix), then activate() from inside a forward that began while off.
-OFF_AND_ON = """
-import torch
-import bnb_gc_fix
-import quantized
-module = quantized.make()
-x = torch.randn(2, 64)
-module(x)  # taken over, where the fix is on
-bnb_gc_fix.deactivate()
-facts = {}
-
-def refuse(m, args):
-    raise RuntimeError("an earlier pre-hook")
-
-first = module.register_forward_pre_hook(refuse, prepend=True)
-for _ in range(3):
-    try:
-        module(x)
-    except RuntimeError:
-        pass
-first.remove()
-facts["after an earlier pre-hook raised"] = quantized.counter()
-
-def during(m, args):
-    facts["state inside"] = bnb_gc_fix.activate().state
-
-later = module.register_forward_pre_hook(during)  # after bitsandbytes' pre-hook: its +1 is taken
-module(x)
-later.remove()
-facts["after the forward"] = quantized.counter()
-facts["steps"] = quantized.checkpointed_counters(module, steps=2)
-print(json.dumps(facts))
-"""
-
-
-def test_deactivate_then_activate_even_inside_a_forward_ends_no_worse_than_the_control() -> None:
-    fixed = run_code(OFF_AND_ON, prelude="scenarios", switch=FIX).last_json
-    control = run_code(OFF_AND_ON, prelude="scenarios", switch="0").last_json
-    # bitsandbytes' own code on a pair registered as it registers it: nothing runs after the raise
-    assert fixed["after an earlier pre-hook raised"] == control["after an earlier pre-hook raised"] == 0
-    assert fixed["state inside"] == "protected"  # turned on under a forward that began while off...
-    assert fixed["after the forward"] == control["after the forward"] == 0  # ...whose +1 is given back
-    assert fixed["steps"] == [0, 0]
-    if AFFECTED:
-        assert control["state inside"] == "unprotected"
-        assert control["steps"][1] > control["steps"][0] > 0
-
-
-# A model quantized while the fix was off, then trained with it on (or, the control, still off).
-LATE = """
-import torch
-from torch.utils.checkpoint import checkpoint
-import bnb_gc_fix
-import quantized
-bnb_gc_fix.deactivate()
-layers = torch.nn.ModuleList(quantized.make(params=2) for _ in range(2))
-for layer in layers:
-    for name, p in layer.named_parameters():
-        p.requires_grad_(name.startswith("trainable"))
-if sys.argv[1] == "on":
-    bnb_gc_fix.activate()
-x = torch.randn(4, 64)
-counters = []
-for step in range(3):
-    h = x
-    for layer in layers:
-        h = checkpoint(layer, h, use_reentrant=False)
-    h.pow(2).mean().backward()
-    counters.append(quantized.counter())
-print(json.dumps([counters, bnb_gc_fix.status().covered]))
-"""
-
-
-def test_a_model_quantized_while_the_fix_was_off_is_taken_over_at_its_next_forward() -> None:
-    assert run_code(LATE, "on", prelude="scenarios").last_json == [[0, 0, 0], 2]
-
-
-def test_a_model_quantized_while_the_fix_was_off_control_leaks() -> None:
-    counters, covered = run_code(LATE, "off", prelude="scenarios").last_json
-    assert counters[-1] > counters[0] > 0 and covered == 0
+    control = run_code(PAIRING, prelude="scenarios-without-startup-hook", switch="0").last_json
+    assert control["covered"] == control["quantized before, at its next forward"] == [2, 2]  # plain pairs
+    assert facts["covered"] == [1, 0]  # one always-called pair for two quantized parameters
+    assert facts["quantized before, at its next forward"] == [1, 0]  # covered by that forward
+    assert facts["state"] == "protected"
+    assert facts["signatures"] == control["signatures"] == [True, True]  # help() shows bitsandbytes' own
+    assert facts["shown"] == control["shown"] and "_P" not in facts["shown"], facts["shown"]
 
 
 # --- threads -------------------------------------------------------------------------------------
@@ -427,55 +339,6 @@ def test_threads_control_leaks_on_raising_forwards() -> None:
     assert counter > 0 if AFFECTED else counter == 0  # upstream's always_call hook pairs them
 
 
-# --- bitsandbytes code that does not look as expected ------------------------------------------
-
-UNEXPECTED = """
-import warnings
-import torch
-from bitsandbytes.nn import parametrize
-change = sys.argv[1]  # bitsandbytes' code changed before the fix sees it
-if change == "hook-with-kwargs":
-    parametrize._enable_parametrization_cache = lambda module, args, kwargs: None
-elif change == "missing-function":
-    del parametrize._disable_parametrization_cache
-elif change == "unreadable-version":
-    import bitsandbytes
-    bitsandbytes.__version__ = "a fork"
-else:
-    raise SystemExit(f"unknown change {change!r}")
-before = {name: getattr(parametrize, name, None) for name in dir(parametrize)}
-codes = {name: getattr(value, "__code__", None) for name, value in before.items()}
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import bnb_gc_fix
-    bnb_gc_fix.activate()
-ours = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.PatchSkippedWarning)]
-after = {name: getattr(parametrize, name, None) for name in dir(parametrize)}
-untouched = after == before and codes == {name: getattr(v, "__code__", None) for name, v in after.items()}
-status = bnb_gc_fix.status()
-print(json.dumps(dict(state=status.state, reason=status.reason, warnings=ours, untouched=untouched)))
-"""
-
-
-@pytest.mark.skipif(not AFFECTED, reason="an affected bitsandbytes: the fix would go into its code")
-@pytest.mark.parametrize(
-    ("change", "expected"),
-    [
-        ("hook-with-kwargs", "_enable_parametrization_cache does not take the 2 arguments torch gives"),
-        ("missing-function", "_disable_parametrization_cache is not a Python function"),
-        ("unreadable-version", "bitsandbytes's version 'a fork' cannot be read"),
-    ],
-)
-def test_unexpected_code_means_nothing_changed_and_one_warning(change: str, expected: str) -> None:
-    facts = run_code(UNEXPECTED, change, prelude="scenarios-without-startup-hook").last_json
-    # Nothing is quantized yet: not affected, so far, and the reason says what would leak, and why.
-    assert facts["state"] == "not affected"
-    assert "Weights quantized that way would leak: the fix could not be put in: " in facts["reason"]
-    assert expected in facts["reason"]
-    assert len(facts["warnings"]) == 1 and expected in " ".join(facts["warnings"][0].split())
-    assert facts["untouched"]
-
-
 # --- the hooks' code runs with the library's globals ------------------------------------------------
 
 
@@ -492,8 +355,8 @@ def _globals_loaded(function: Any) -> set[str]:
 def test_the_hooks_code_loads_no_global() -> None:
     """The two functions' code runs as the library's hook functions, whose globals are the library's
     module: a name loaded from the globals would be the library's, or missing."""
-    from bnb_gc_fix import gate
+    from bnb_gc_fix import hooks, ledger
 
-    assert _globals_loaded(gate.enable_code) == set()
-    assert _globals_loaded(gate.disable_code) == set()
-    assert _globals_loaded(gate.give_back) == {"P"}  # control: the check sees a global load
+    assert _globals_loaded(hooks.enable_code) == set()
+    assert _globals_loaded(hooks.disable_code) == set()
+    assert _globals_loaded(ledger.switch_off_since) == {"local", "cache"}  # control: it sees a global load

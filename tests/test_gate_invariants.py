@@ -1,16 +1,15 @@
-"""The fix's holds rule and the safety nets' rule, for every program, and the behaviours each guarded by a
-test of its own.
+"""The fix's switch-on rule and a span's rule (a notebook cell's), for every program, and the behaviours
+each pinned by a test of its own.
 
 The property test runs Hypothesis in a process of its own (``tests/scenarios/gate_property.py``, whose
-docstring lists what its random programs do on two interleaved threads, deep copies and deactivate() and
-activate() among them): the counter is never negative, always equals the holds of calls still holding and
-of open ``P.cached()`` blocks (with the fix switched off by the program, what bitsandbytes' own pair
-leaves, as in the control), and every safety net gives back, reports and raises exactly what an oracle
-says. Its control, with the fix switched off, must be falsified. A mutation of the span rule (a net giving
-back any rise, or every hold of its thread), of the re-entry rule, of the rule for an off hook without a
-hold, or of deactivate() (the fix's mark left on a copy's off hook) is falsified too. The tests below it
-each pin one behaviour that the property does not reach: the clamp (a direct call of bitsandbytes' off
-function never goes below zero), and ``reset()`` forgetting the fix's holds.
+docstring lists what its random programs do on two interleaved threads, deep copies among them): the
+counter is never negative, always equals the switch-ons of calls still running and of open ``P.cached()``
+blocks and those a ``BaseException`` left, and every span switches off and reports exactly what an oracle
+says. Its control, with the fix switched off, must be falsified. A mutation of the span rule (a span
+switching off every switch-on of its thread), of the re-entry rule, or of the rule for an off hook without
+a switch-on is falsified too. The tests below it each pin one behaviour that the property does not reach:
+the clamp (a direct call of bitsandbytes' off function never goes below zero), and ``reset()`` forgetting
+the fix's switch-ons.
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def test_clamp_control_goes_below_zero_on_an_affected_bitsandbytes() -> None:
     assert out["on"] is False
 
 
-# --- reset() forgets every gate's holds ---------------------------------------------------------
+# --- reset() forgets the fix's switch-ons ---------------------------------------------------------
 
 RESET_FORGETS = """
 import torch
@@ -83,16 +82,16 @@ import torch.nn.utils.parametrize as P
 import bnb_gc_fix, quantized
 module = quantized.make()
 x = torch.randn(2, 64)
-quantized.interrupted_forward(module, x)  # the gate holds 1, stuck
+quantized.interrupted_forward(module, x)  # the fix's switch-on, left by the KeyboardInterrupt
 released = bnb_gc_fix.reset()
 with P.cached():  # another holder, after the reset
-    module(x)  # the gate must not "heal" the P.cached() hold away as if it were its stale one
+    module(x)  # the fix must not switch the P.cached() block's off as if it were its own left one
     inside = int(P._cache_enabled)
 print(json.dumps({"released": released, "inside": inside, "after": int(P._cache_enabled)}))
 """
 
 
-def test_reset_forgets_the_gates_holds_so_no_stale_hold_heals_another_holders() -> None:
+def test_reset_forgets_the_fixs_switch_ons_so_none_switches_off_another_holders() -> None:
     out = run_code(RESET_FORGETS, prelude="scenarios", switch=FIX).last_json
     assert out == {"released": 1, "inside": 1, "after": 0}
 
@@ -106,15 +105,15 @@ import bnb_gc_fix, quantized
 module = quantized.make()
 forward_hook = next(iter(module._forward_hooks.values()))
 with P.cached():
-    forward_hook(module, (), None)  # a forward hook with no hold of its own (its pre-hook never ran)
+    forward_hook(module, (), None)  # an off hook with no switch-on of its own (its pre-hook never ran)
     inside = int(P._cache_enabled)
 after = int(P._cache_enabled)
-module(torch.randn(2, 64))  # and it took nothing away from the gate: a forward still pairs
+module(torch.randn(2, 64))  # and it took nothing away from the fix: a forward still pairs
 print(json.dumps({"inside": inside, "after": after, "held": int(P._cache_enabled)}))
 """
 
 
-def test_exit_hook_without_a_hold_gives_nothing_back() -> None:
+def test_an_off_hook_without_a_switch_on_switches_nothing_off() -> None:
     out = run_code(EXIT_WITHOUT_HOLD, prelude="scenarios", switch=FIX).last_json
     assert out == {"inside": 1, "after": 0, "held": 0}
 
@@ -126,7 +125,7 @@ import bnb_gc_fix
 from bitsandbytes.nn import parametrize
 module = torch.nn.Module()
 with P.cached():
-    bnb_gc_fix.reset()  # the hold released by hand inside the block...
+    bnb_gc_fix.reset()  # the block's switch-on released by hand inside it...
     parametrize._disable_parametrization_cache(module, (), None)  # ...and a stray disable
     inside = int(P._cache_enabled)
 print(json.dumps({"inside": inside}))
@@ -138,7 +137,7 @@ def test_clamp_keeps_a_stray_disable_at_zero_after_a_reset() -> None:
 
 
 # Code of someone else's that puts torch's counter to 0 inside a quantized forward (a library resetting
-# the cache by hand): at the forward's end the fix's off hook gives its call's hold back, clamped at 0;
+# the cache by hand): at the forward's end the fix's off hook switches its call's off, clamped at 0;
 # the control, bitsandbytes' own plain pair, goes to -1.
 ZEROED_INSIDE_A_FORWARD = """
 import torch
@@ -174,11 +173,11 @@ print(json.dumps(counters))
 """
 
 
-def test_collected_module_gives_back_its_stuck_hold() -> None:
+def test_a_collected_module_switches_off_what_a_ctrl_c_left() -> None:
     out = run_code(COLLECTED, prelude="scenarios", switch=FIX).last_json
-    assert out == [1, [True, 0], 1, [True, 0]]  # one gate per module, however many parameters
+    assert out == [1, [True, 0], 1, [True, 0]]  # one pair per module, however many parameters
 
 
-def test_collected_module_control_keeps_the_stuck_holds() -> None:
+def test_a_collected_module_control_keeps_what_a_ctrl_c_left() -> None:
     out = run_code(COLLECTED, prelude="scenarios", switch="0").last_json
     assert out[0] == 1 and out[1] == [True, 1] and out[3][1] > 1

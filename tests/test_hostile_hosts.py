@@ -1,9 +1,10 @@
 """Hostile hosts: the package runs in every process, so every failure mode must beat the bug's.
 
 The rule for each scenario: where the control runs (``BNB_GC_FIX=0``, or the same program without the
-package's help), the fixed run runs too, and ends no worse. Each runs in a fresh interpreter. The
-torch.compile scenarios are in ``test_compile.py``; the holds rule over random programs in
-``test_gate_invariants.py``.
+package's help), the fixed run runs too, and ends no worse. Each runs in a process of its own. The
+torch.compile scenarios are in ``test_compile.py``; the switch-on rule over random programs in
+``test_gate_invariants.py``; bitsandbytes releases whose code the package does not know in
+``test_reading.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from conftest import (
     environment,
     pip_target,
     run_code,
-    shared,
     unwrapped,
 )
 
@@ -116,10 +116,11 @@ def test_status_with_the_switch_off_gives_one_answer() -> None:
     _, switched_on, _ = command("status", "--json")  # the same process with the fix on
     assert json.loads(switched_on)["state"] == facts["state"] == "not affected"
     bitsandbytes = facts["libraries"][0]
-    assert bitsandbytes["affected"] is AFFECTED and bitsandbytes["state"] == facts["state"] == "not affected"
+    assert bitsandbytes["affected"] is None  # the fix off reads nothing of bitsandbytes' hooks
+    assert bitsandbytes["state"] == facts["state"] == "not affected"
     assert facts["on"] is False and facts["turned_on_by"] is None and facts["switch"] == "0"
-    if AFFECTED:
-        assert "Weights quantized that way would leak: the fix is off (BNB_GC_FIX='0'" in facts["reason"]
+    said = "Weights quantized that way would run without the fix: the fix is off (BNB_GC_FIX='0'"
+    assert said in facts["reason"]
     assert f"state: not affected: {facts['reason']}" in unwrapped(text)
     assert "fix: off (BNB_GC_FIX='0') cache:" in unwrapped(text)  # off: nothing more to say of it
 
@@ -172,9 +173,8 @@ s = bnb_gc_fix.activate()
 bnb_gc_fix.reset()
 out["activated"] = steps(quantize_with(parametrize))
 out["state"] = bnb_gc_fix.status().state
-bnb_gc_fix.deactivate()  # bitsandbytes' own code back in its functions, those the reload replaced included
 after = [parametrize._enable_parametrization_cache, parametrize._disable_parametrization_cache]
-out["own code"] = [f.__code__.co_filename.endswith("parametrize.py") for f in before + after]
+out["the fix's code"] = [f.__code__.co_filename.endswith("hooks.py") for f in before + after]
 print(json.dumps(out))
 """
 )
@@ -187,7 +187,7 @@ def test_bitsandbytes_imported_again_gets_the_fix_again(how: str) -> None:
     assert out["after"][0] == "not affected"  # nothing quantized with the new module yet
     assert out["steps"] == [0, 0, 0] and out["activated"] == [0, 0, 0]
     assert out["state while it is alive"] == out["state"] == "protected"
-    assert out["own code"] == [True] * 4
+    assert out["the fix's code"] == [True] * 4  # the new module's functions got it as it was imported
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (the fix is not in it otherwise)")
@@ -198,46 +198,10 @@ def test_bitsandbytes_imported_again_unseen_reads_not_affected_until_quantized_a
     state, reason = out["after"]
     # Nothing quantized with the new module yet: not affected, so far, and what would leak and why.
     assert state == "not affected" and "imported again where bnb-gc-fix could not see it" in reason
-    assert "Weights quantized that way would leak" in reason and "activate()" in reason
+    assert "Weights quantized that way would run without the fix" in reason and "activate()" in reason
     assert out["steps"][-1] > 0 and out["state while it is alive"] == "unprotected"  # quantized now: leaks
     assert out["activated"] == [0, 0, 0] and out["state"] == "protected"
-    assert out["own code"] == [True] * 4
-
-
-# Issue 41's finding 2: deactivate() after bitsandbytes' module left sys.modules (a test-isolation tool, a
-# reload helper): its functions get bitsandbytes' own code back and its register function is unwrapped,
-# as where the module stays (the control); a pre-hook ahead of bitsandbytes' that raises then leaves the
-# counter at 0 (bitsandbytes' own, plain pair: nothing runs).
-DROPPED = (
-    LEAK
-    + """
-import bnb_gc_fix
-import bitsandbytes.nn.parametrize as parametrize
-module = quantized.make()
-x = torch.randn(2, 64)
-module(x)
-if sys.argv[1] == "dropped":
-    del sys.modules["bitsandbytes.nn.parametrize"]
-bnb_gc_fix.deactivate()
-hooks = [parametrize._enable_parametrization_cache, parametrize._disable_parametrization_cache]
-handle = module.register_forward_pre_hook(lambda m, a: 1 / 0, prepend=True)
-try:
-    module(x)
-except ZeroDivisionError:
-    pass
-handle.remove()
-print(json.dumps({"on": bnb_gc_fix.status().on, "own code": [f.__code__.co_filename.endswith("parametrize.py")
-    for f in hooks], "wrapped": hasattr(parametrize._register_parametrization_hooks, "__wrapped__"),
-    "counter": quantized.counter()}))
-"""
-)
-
-
-@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (the fix is not in it otherwise)")
-def test_deactivate_after_the_module_left_sys_modules_puts_bitsandbytes_own_code_back() -> None:
-    dropped = run_code(DROPPED, "dropped", prelude="scenarios").last_json
-    kept = run_code(DROPPED, "kept", prelude="scenarios").last_json
-    assert dropped == kept == {"on": False, "own code": [True, True], "wrapped": False, "counter": 0}
+    assert out["the fix's code"] == [True] * 4  # the new module's functions got it at activate()
 
 
 LATE = (
@@ -255,7 +219,7 @@ print(json.dumps({"counters": counters, "state": s and s.state, "covered": s and
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes")
-def test_a_late_import_takes_over_the_modules_quantized_before_it_at_their_next_forward() -> None:
+def test_a_late_import_covers_the_modules_quantized_before_it_at_their_next_forward() -> None:
     out = run_code(LATE, "late", prelude="scenarios-without-startup-hook").last_json
     assert out["counters"] == [0, 0, 0]
     assert (out["state"], out["covered"]) == ("protected", 1)
@@ -359,7 +323,7 @@ hidden = "bnb_gc_fix" in sys.modules
 import bnb_gc_fix
 s = bnb_gc_fix.status()
 out = {"hidden": hidden, "by": s.turned_on_by, "state": s.state, "reason": s.reason}
-out["before"] = steps(before)  # quantized before the import: taken over at its next forward
+out["before"] = steps(before)  # quantized before the import: covered at its next forward
 out["after"] = steps(quantized.make())  # quantized after the import
 print(json.dumps(out))
 """
@@ -381,27 +345,19 @@ def test_an_import_hook_in_front_hides_bitsandbytes_and_the_import_covers_it(swi
         assert out["before"][-1] > 0 and out["after"][-1] > 0
 
 
-# --- the safety nets give back only what is theirs -------------------------------------------------
+# --- a notebook cell's end switches off only what is its own ---------------------------------------
 
-# The safety nets around a step (or a failing cell) that runs `step()`; "none" is the control.
+# A step run as a failing notebook cell (through IPython's own shell, its cell events included); "none" is
+# the control, the same step run without a cell.
 STEP_NETS = {
     "none": "def NET():\n    step()\n",
-    "guard": "import bnb_gc_fix\ndef NET():\n    with bnb_gc_fix.guard():\n        step()\n",
-    "callback": (
-        "from bnb_gc_fix.integrations.transformers import LeakGuardCallback\n"
-        "def NET():\n"
-        "    cb = LeakGuardCallback()\n"
-        "    cb.on_step_begin(None, None, None)\n"
-        "    step()\n"
-        "    cb.on_step_end(None, None, None)\n"
-    ),
     "notebook": (
         "from IPython.core.interactiveshell import InteractiveShell\n"
         "shell = InteractiveShell.instance()\n"
         "import bnb_gc_fix\n"
         "shell.user_ns['step'] = lambda: step()\n"
         "def NET():\n"
-        "    shell.run_cell('step(); undefined_name')  # the cell starts B, then fails\n"
+        "    shell.run_cell('step(); undefined_name')  # the cell runs the step, then fails\n"
     ),
 }
 
@@ -425,7 +381,7 @@ thread = threading.Thread(target=background)
 thread.start()
 entered.wait()
 
-def step():  # the step does nothing: the other thread's hold was taken before it began
+def step():  # the step does nothing: the other thread's block was opened before it began
     pass
 
 with warnings.catch_warnings(record=True) as caught:
@@ -442,22 +398,19 @@ print(json.dumps({"counter": int(P._cache_enabled), "changed": not torch.equal(b
 """
 
 
-@pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
-def test_safety_nets_never_take_another_threads_live_hold(net: str) -> None:
-    control = shared(
-        "background-hold", lambda: run_code(STEP_NETS["none"] + BACKGROUND_HOLD, prelude="scenarios")
-    )
+def test_a_cells_end_never_switches_off_another_threads_open_block() -> None:
+    control = run_code(STEP_NETS["none"] + BACKGROUND_HOLD, prelude="scenarios")
     assert control.last_json == {"counter": 0, "changed": True, "warnings": []}
-    fixed = run_code(STEP_NETS[net] + BACKGROUND_HOLD, prelude="scenarios")
+    fixed = run_code(STEP_NETS["notebook"] + BACKGROUND_HOLD, prelude="scenarios")
     out = fixed.last_json
     assert out["counter"] == 0 and out["changed"] is True  # never -1, never stale weights
     assert out["warnings"] == []
     assert "bnb_gc_fix" not in fixed.our_stderr  # nothing blamed on a cell that did not do it
 
 
-# Issue 36's findings 1 and 2: a P.cached() block is entered during the step (or failing cell), by
-# another thread (a threading or a `_thread` thread, which threading.active_count() does not count) or by
-# the step's own thread, and is still open when the step's net ends. The counter then, and at the end.
+# Issue 36's findings 1 and 2: a P.cached() block is entered during a failing cell, by another thread (a
+# threading or a `_thread` thread, which threading.active_count() does not count) or by the cell's own
+# thread, and is still open when the cell ends. The counter then, and at the end.
 ENTERED_DURING_THE_STEP = """
 import _thread, threading, warnings, torch
 import torch.nn.utils.parametrize as P
@@ -495,117 +448,28 @@ print(json.dumps({"inside": inside, "end": int(P._cache_enabled),
 
 
 @pytest.mark.parametrize("how", ["threading", "_thread", "same thread"])
-@pytest.mark.parametrize("net", ["guard", "callback", "notebook"])
-def test_safety_nets_leave_a_block_entered_during_the_step_and_report_it(net: str, how: str) -> None:
-    code = STEP_NETS["none"] + ENTERED_DURING_THE_STEP
-    control = shared(f"entered-during-the-step-{how}", lambda: run_code(code, how, prelude="scenarios"))
+def test_a_cells_end_leaves_a_block_opened_during_the_cell_and_reports_it(how: str) -> None:
+    control = run_code(STEP_NETS["none"] + ENTERED_DURING_THE_STEP, how, prelude="scenarios")
     assert control.last_json == {"inside": 1, "end": 0, "warnings": []}
-    fixed = run_code(STEP_NETS[net] + ENTERED_DURING_THE_STEP, how, prelude="scenarios")
+    fixed = run_code(STEP_NETS["notebook"] + ENTERED_DURING_THE_STEP, how, prelude="scenarios")
     out = fixed.last_json
-    assert (out["inside"], out["end"]) == (1, 0)  # the block's hold kept while it is open; never -1 after
-    said = out["warnings"] if net != "notebook" else [fixed.stderr]
-    assert len(said) == 1, fixed.stderr
-    report = unwrapped(said[0])
-    assert "stays 1 above where it was" in report and "cannot tell what switched the cache on" in report
+    assert (out["inside"], out["end"]) == (1, 0)  # the block's kept on while it is open; never -1 after
+    assert out["warnings"] == []
+    report = unwrapped(fixed.stderr)
+    assert report.count("bnb_gc_fix: this cell left the cache switched on.") == 1, fixed.stderr
+    assert "The cache is still on (counter 1, 1 above where it was when this cell began)" in report
+    assert "a P.cached() block still open" in report
     assert "switched the cache on and stopped" not in report
 
 
-# What a KeyboardInterrupt leaves inside a guarded step, with a hold taken before the step (a P.cached()
-# kept open): with the fix, the guard gives back the step's own; with it off, it reports and gives nothing.
-GUARDED_INTERRUPT = """
-import warnings, torch
-import torch.nn.utils.parametrize as P
-import quantized, bnb_gc_fix
-module = quantized.make(params=1)
-x = torch.randn(4, 64)
-block = P.cached()
-block.__enter__()  # a hold taken before the step: not the step's
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    with bnb_gc_fix.guard():
-        quantized.interrupted_forward(module, x)
-leaks = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.CacheLeakWarning)]
-print(json.dumps({"counter": quantized.counter(), "warnings": leaks}))
-"""
+# --- the fix turned on beside a running forward, and force on a fixed release ----------------------------
 
-
-def test_guard_gives_back_only_what_the_step_left() -> None:
-    out = run_code(GUARDED_INTERRUPT, prelude="scenarios").last_json
-    assert out["counter"] == 1  # the step's stuck hold given back, the earlier one kept
-    [message] = out["warnings"]
-    assert "1 forward in the step switched the cache on" in unwrapped(message) and "stays" not in message
-
-
-def test_guard_with_the_fix_off_reports_and_leaves_the_counter_as_the_control_does() -> None:
-    unguarded = GUARDED_INTERRUPT.replace("with bnb_gc_fix.guard():", "if True:")
-    control = run_code(unguarded, prelude="scenarios", switch="0")
-    out = run_code(GUARDED_INTERRUPT, prelude="scenarios", switch="0").last_json
-    assert out["counter"] == control.last_json["counter"] == 2  # bitsandbytes' own +1 stays, as there
-    [message] = out["warnings"]
-    assert "stays 1 above where it was when the step began" in unwrapped(message)
-    assert "switched the cache on and stopped" not in unwrapped(message)
-
-
-# Issue 36's finding 3: a strict guard inside a compiled forward, where nothing leaks.
-STRICT_INSIDE_COMPILED = """
-import warnings, torch
-import bnb_gc_fix, quantized
-
-class Guarded(quantized.Quantized):
-    def forward(self, x):
-        y = super().forward(x)
-        with bnb_gc_fix.guard(strict=True):
-            y = y * 2
-        return y
-
-torch.manual_seed(0)
-module = torch.compile(quantized.quantize(Guarded(params=1)), backend="eager")
-errors = []
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for _ in range(3):
-        try:
-            module(torch.randn(2, 64))
-        except Exception as error:
-            errors.append(type(error).__name__)
-ours = [str(w.message) for w in caught if isinstance(w.message, bnb_gc_fix.BnbGcFixWarning)]
-print(json.dumps({"errors": errors, "warnings": ours, "counter": quantized.counter()}))
-"""
-
-
-@pytest.mark.parametrize("switch", [None, "0"])
-def test_a_strict_guard_inside_a_compiled_forward_never_raises_where_nothing_leaked(
-    switch: str | None,
-) -> None:
-    out = run_code(STRICT_INSIDE_COMPILED, prelude="scenarios", switch=switch).last_json
-    assert out == {"errors": [], "warnings": [], "counter": 0}
-
-
-COMPILED_GUARDED = """
-import torch, bnb_gc_fix
-def step(x):
-    return (x * 2).sum()
-outside = bnb_gc_fix.guard()(torch.compile(step, fullgraph=True, backend="eager"))
-inside = torch.compile(bnb_gc_fix.guard()(step), backend="eager")  # the guard's frame runs uncompiled
-print(float(outside(torch.ones(3))), float(inside(torch.ones(3))))
-"""
-
-
-@pytest.mark.skipif(not AFFECTED, reason="compares with the auto run on an affected bitsandbytes")
-def test_a_compiled_step_guarded_from_outside_even_with_fullgraph() -> None:
-    for switch in (None, "0"):
-        assert run_code(COMPILED_GUARDED, switch=switch).stdout.split()[-2:] == ["6.0", "6.0"]
-
-
-# --- activate() beside a running forward, and force on a fixed release --------------------------------
-
-# Issue 36's finding 4: another thread is inside the model's forward, begun while the fix was off (it
-# took bitsandbytes' own +1), when the fix is turned on: that forward's end gives its +1 back, and the
-# module's next forward takes it over.
+# Issue 36's finding 4: another thread is inside the model's forward, begun before the fix was on (it took
+# bitsandbytes' own +1), when the package is imported: that forward's end switches its +1 off, and the
+# module's next forward covers it.
 ACTIVATE_BESIDE_A_FORWARD = """
 import threading, torch
-import bnb_gc_fix, quantized
-bnb_gc_fix.deactivate()
+import quantized
 module = quantized.make()
 inside, finish = threading.Event(), threading.Event()
 def wait_inside(*_):
@@ -615,7 +479,7 @@ module.trainable.register_forward_hook(wait_inside)
 thread = threading.Thread(target=module, args=(torch.randn(2, 64),))
 thread.start()
 inside.wait()
-bnb_gc_fix.activate()
+import bnb_gc_fix
 out = {"during": quantized.counter()}
 finish.set()
 thread.join()
@@ -628,19 +492,18 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (its own +1 is the one in flight)")
-def test_activate_beside_a_running_forward_leaves_nothing_stuck() -> None:
-    out = run_code(ACTIVATE_BESIDE_A_FORWARD, prelude="scenarios").last_json
+def test_the_fix_turned_on_beside_a_running_forward_leaves_nothing_on() -> None:
+    out = run_code(ACTIVATE_BESIDE_A_FORWARD, prelude="scenarios-without-startup-hook").last_json
     assert out == {"during": 1, "after": 0, "next forward": 0, "covered": 1}
 
 
-FORCE_AFTER_OFF = """
+FORCE_LATE = """
 import torch
-import bnb_gc_fix, quantized
-bnb_gc_fix.deactivate()
-module = quantized.make()  # quantized while the fix is off: bitsandbytes' own pair
-bnb_gc_fix.activate()
+import quantized
+module = quantized.make()  # quantized before the fix is on: bitsandbytes' own pair
+import bnb_gc_fix
 x = torch.randn(4, 64)
-module(x)  # taken over here, where the fix is in bitsandbytes' code
+module(x)  # covered here, where the fix is in bitsandbytes' code
 stuck = quantized.interrupted_forward(module, x)  # a caught Ctrl-C
 module(x)
 print(json.dumps({"bitsandbytes": __import__("bitsandbytes").__version__, "stuck": stuck,
@@ -650,10 +513,10 @@ print(json.dumps({"bitsandbytes": __import__("bitsandbytes").__version__, "stuck
 
 @pytest.mark.downloads
 @pytest.mark.parametrize("switch", ["force", None])
-def test_force_on_a_fixed_bitsandbytes_takes_over_a_module_quantized_while_off(switch: str | None) -> None:
+def test_force_on_a_fixed_bitsandbytes_covers_a_module_quantized_before_the_fix(switch: str | None) -> None:
     env = environment(switch, PYTHONPATH=str(pip_target("bitsandbytes==0.50.2")))
     fresh = "bitsandbytes 0.50.2 first on PYTHONPATH: the warm parent imported 0.49.2"
-    out = run_code(FORCE_AFTER_OFF, prelude="scenarios", env=env, fresh=fresh).last_json
+    out = run_code(FORCE_LATE, prelude="scenarios-without-startup-hook", env=env, fresh=fresh).last_json
     assert out["bitsandbytes"] == "0.50.2" and out["stuck"] == 1
     # force: the fix heals the Ctrl-C at the next forward; the control: upstream's pair stays stuck
     assert out["after"] == (0 if switch == "force" else 1)

@@ -7,16 +7,18 @@ environment; each runs the whole story once (module-scoped), and the tests read 
    Python loop after the dequantized weight is cached); ``interrupt_kernel()`` lands ~1 s into it;
 2. the next cell measures the counter and the cache before any forward; then a forward of A; then
    a forward of another module B;
-3. a cell that switches the cache on (``P.cached()`` held by hand) and raises an ordinary exception:
-   no hook of the fix took that hold, so it stays, and the cell's output says so;
-4. (0.49.2, package on) a cell that leaves the cache on without an exception; then ``deactivate()``;
-5. a failing cell again, after ``deactivate()`` (0.49.2), ``activate()`` again (0.50.2), or an explicit
-   ``import bnb_gc_fix`` and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
+3. a cell that switches the cache on (``P.cached()`` opened by hand) and raises an ordinary exception:
+   no forward of the fix's switched that on, so it stays, and the cell's output says so;
+4. (0.49.2, package on) a cell that leaves a ``P.cached()`` block open without an exception; then, with
+   that block still open, the interrupted cell of step 1 again: the cell's end switches off what its
+   forward left, and says that the cache is still on (the open block keeps it on);
+5. a failing cell again, after ``activate()`` again (the fixed rows), or an explicit ``import bnb_gc_fix``
+   and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
 
 The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
-On bitsandbytes 0.50.2 in auto mode the package steps aside: the hold a Ctrl-C leaves in upstream's
-pair is no hook of the fix's either, so it is pointed out, not given back (``force`` puts the fix in
-bitsandbytes' code there, and the cell end gives it back).
+On bitsandbytes 0.50.2 in auto mode the package steps aside: what a Ctrl-C leaves on in upstream's pair
+is not the fix's either, so it is pointed out, not switched off (``force`` puts the fix into
+bitsandbytes' code there, and the cell's end switches it off).
 """
 
 from __future__ import annotations
@@ -155,7 +157,7 @@ def state():
     print("STATE " + json.dumps([int(P._cache_enabled), cached]))
 
 
-holds = []
+opened = []
 torch.manual_seed(0)
 A, B = Slow(), Slow()
 replace_parameter_4bit(A, "weight", quant_type="nf4")
@@ -177,8 +179,8 @@ A(x)
 
 STUCK_AFTER_ERROR = """
 A.seconds = 0.0
-holds.append(P.cached())  # kept: a dropped generator would switch the cache off when collected
-holds[-1].__enter__()  # switched on, then an ordinary exception before anything switches it off
+opened.append(P.cached())  # kept: a dropped generator would switch the cache off when collected
+opened[-1].__enter__()  # switched on, then an ordinary exception before anything switches it off
 B(x)
 raise ValueError("an ordinary error in the cell")
 """
@@ -202,7 +204,9 @@ class Story:
     held: Cell | None = None
     after_held: list[int] | None = None
     status_after_held: dict[str, Any] | None = None
-    # After deactivate() (package on) or an explicit `import bnb_gc_fix` (BNB_GC_FIX=0): is the
+    interrupted_in_block: Cell | None = None  # the interrupted cell again, a P.cached() block open
+    after_interrupted_in_block: list[int] | None = None
+    # After activate() again (package on) or an explicit `import bnb_gc_fix` (BNB_GC_FIX=0): is the
     # release installed, and what does a failing cell leave?
     release_after: bool | None = None
     late_error_cell: Cell | None = None
@@ -222,7 +226,7 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
         kernel.run("import bnb_gc_fix; bnb_gc_fix.reset()")  # the controls start the next part from 0
         error_cell = kernel.run(STUCK_AFTER_ERROR)
         after_error = kernel.run("state()").state()
-        kernel.run("holds.pop().__exit__(None, None, None); bnb_gc_fix.reset()")  # the hand-taken hold ends
+        kernel.run("opened.pop().__exit__(None, None, None); bnb_gc_fix.reset()")  # the block opened by hand
         story = Story(info, interrupted, next_cell, after_a, after_b, error_cell, after_error)
         if held:
             story.held = kernel.run(HELD_ON_PURPOSE)
@@ -230,10 +234,10 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
             story.status_after_held = json.loads(
                 kernel.run("print(json.dumps(bnb_gc_fix.status().as_dict()))").stdout
             )
+            story.interrupted_in_block = kernel.run(INTERRUPTED, interrupt_after="forward started", delay=1.0)
+            story.after_interrupted_in_block = kernel.run("state()").state()
             kernel.run("held.__exit__(None, None, None)")
-            kernel.run("bnb_gc_fix.deactivate()")
-        else:
-            kernel.run("bnb_gc_fix.reset(); bnb_gc_fix.activate()")
+        kernel.run("bnb_gc_fix.reset(); bnb_gc_fix.activate()")
         story.release_after = json.loads(
             kernel.run("print(json.dumps(bnb_gc_fix.notebook.registered()))").stdout
         )
@@ -253,7 +257,7 @@ ROWS = {
 }
 CONTROLS = [row for row, (_, switch) in ROWS.items() if switch == "0"]
 FIXED = [row for row in ROWS if row not in CONTROLS]
-# Where the package's hooks sit on the modules (bitsandbytes 0.49.2, or force): a Ctrl-C's holds are theirs.
+# Where the fix is in bitsandbytes' hooks (0.49.2, or force): what a Ctrl-C leaves on is the fix's.
 GATED = [row for row in FIXED if row != "0.50.2 auto"]
 
 _stories: dict[str, Story] = {}
@@ -303,25 +307,28 @@ def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     (line,) = story.interrupted.ours()
     assert line.startswith("bnb_gc_fix: this cell left the cache switched on. ")
     assert "1 forward in this cell switched the cache on and stopped before switching it off" in line
-    assert "(by KeyboardInterrupt" in line and "(16384 bytes were cached)" in line
+    assert "(by KeyboardInterrupt" in line and "bnb-gc-fix switched that off." in line
+    assert "The cache is off and empty now (16384 bytes were cached)." in line
 
 
 @pytest.mark.parametrize("story", ["0.50.2 auto"], indirect=True)
 def test_interrupted_cell_on_upstreams_pair_is_pointed_out(story: Story) -> None:
     _landed_in_forward(story.interrupted)
     assert story.info["cell_end_release"] is True
-    assert story.next_cell == [1, 16384]  # upstream's pair holds it: no call of the package's hooks did
+    assert story.next_cell == [1, 16384]  # upstream's pair switched it on: no forward of the fix's did
     (line,) = story.interrupted.ours()
-    assert "counter stays 1 above where it was when this cell began" in line
-    assert "cannot tell what switched the cache on" in line and "bnb_gc_fix.reset()" in line
+    assert "The cache is still on (counter 1, 1 above where it was when this cell began)" in line
+    assert "a Ctrl-C inside a forward of bitsandbytes 0.50.2's own hooks" in line
+    assert "once no forward runs and no P.cached() block is open" in line
 
 
 @pytest.mark.parametrize("story", FIXED, indirect=True)
-def test_a_hold_taken_by_hand_in_a_failing_cell_stays_and_is_pointed_out(story: Story) -> None:
+def test_a_block_opened_by_hand_in_a_failing_cell_stays_and_is_pointed_out(story: Story) -> None:
     assert story.error_cell.error == "ValueError"
-    assert story.after_error == [1, 16384]  # no hook of the fix took it: never given back
+    assert story.after_error == [1, 16384]  # no forward of the fix's switched it on: never switched off
     (line,) = story.error_cell.ours()
-    assert "counter stays 1 above where it was when this cell began" in line
+    assert "The cache is still on (counter 1, 1 above where it was when this cell began)" in line
+    assert "a P.cached() block still open" in line
     assert "switched the cache on and stopped" not in line
 
 
@@ -340,22 +347,26 @@ def test_control_switched_off_keeps_the_old_behaviour(story: Story) -> None:
 
 
 @pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
-def test_a_cell_without_exception_keeps_its_hold_and_says_so(story: Story) -> None:
+def test_a_cell_without_exception_keeps_its_block_open_and_says_so(story: Story) -> None:
     assert story.held is not None and story.held.error is None
-    assert story.after_held == [1, 16384]  # not given back
+    assert story.after_held == [1, 16384]  # not switched off
     (line,) = story.held.ours()
-    assert "counter stays 1 above where it was when this cell began" in line
-    assert "bnb_gc_fix.reset()" in line
+    assert "The cache is still on (counter 1, 1 above where it was when this cell began)" in line
+    assert "bnb_gc_fix.reset() switches it off, once no forward runs and no P.cached() block is open" in line
     assert story.status_after_held is not None
     assert (story.status_after_held["counter"], story.status_after_held["from_the_fix"]) == (1, 0)
 
 
 @pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
-def test_deactivate_removes_the_release(story: Story) -> None:
-    assert story.release_after is False
-    assert story.late_error_cell is not None and story.late_error_cell.error == "ValueError"
-    assert story.after_late_error == [1, 16384]  # the failing cell's hold stays: nothing released it
-    assert story.late_error_cell.ours() == []
+def test_a_cell_interrupted_inside_an_open_block_says_the_cache_is_still_on(story: Story) -> None:
+    cell = story.interrupted_in_block
+    assert cell is not None
+    _landed_in_forward(cell)
+    assert story.after_interrupted_in_block == [1, 32768]  # the open block's, with A's and B's weights
+    (line,) = cell.ours()
+    assert "1 forward in this cell switched the cache on and stopped" in line
+    assert "bnb-gc-fix switched that off. The cache is still on (counter 1): " in line
+    assert "a P.cached() block still open" in line and "off and empty" not in line
 
 
 OUTSIDE = """
@@ -374,8 +385,8 @@ def test_outside_ipython_nothing_is_installed_and_ipython_is_never_imported() ->
     assert result.last_json == [False, False, False]
 
 
-@pytest.mark.parametrize("story", ["0.50.2 auto", "0.50.2 force"], indirect=True)
+@pytest.mark.parametrize("story", FIXED, indirect=True)
 def test_activate_again_keeps_one_release(story: Story) -> None:
     assert story.release_after is True
-    assert story.after_late_error == [1, 16384]  # a hold taken by hand: pointed out, not released
+    assert story.after_late_error == [1, 16384]  # a block opened by hand: pointed out, not switched off
     assert story.late_error_cell is not None and len(story.late_error_cell.ours()) == 1  # registered once

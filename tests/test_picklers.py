@@ -167,3 +167,72 @@ def test_a_module_saved_with_the_fix_loads_and_runs_where_the_control_does(
             # the fix made always called, does not (bitsandbytes 0.50's shape).
             assert control["counters"][-1] > control["counters"][0] > 0, pickler
             assert fixed["counters"] == [0, 0, 0], pickler
+
+
+# Issue 46's finding 2: torch's hook keys (handle ids) are unique only within one process. A module saved
+# in another process holds the user's own always-called forward hook under a key that the fix marked here
+# on a module it covered. Whatever this process then does (the fix's forwards, BNB_GC_FIX=0 read by
+# activate()), the user's hook keeps its mark: it still runs when a pre-hook ahead of it raises. The key
+# is made to collide by setting torch's next handle id in both processes.
+SAVED_ELSEWHERE = """
+import torch
+import torch.nn.utils.parametrize as P
+from torch.utils.hooks import RemovableHandle
+import quantized
+RemovableHandle.next_id = 10**6
+key = list(quantized.make(params=1)._forward_hooks)[-1]  # the off hook's key, as the loader's is
+module = quantized.make(params=1)
+RemovableHandle.next_id = key
+module.register_forward_hook(quantized.noted, always_call=True)
+torch.__future__.set_swap_module_params_on_conversion(True)
+P.remove_parametrizations(module, "w0", leave_parametrized=True)
+torch.save(module, sys.argv[1])
+print(json.dumps(key))
+"""
+
+LOADED_HERE = """
+import os, torch, warnings
+from torch.utils.hooks import RemovableHandle
+import bnb_gc_fix, quantized
+RemovableHandle.next_id = 10**6
+covered = quantized.make(params=1)
+x = torch.randn(2, 64)
+covered(x)  # covered here: its off hook's key is marked always called
+loaded = torch.load(sys.argv[1], weights_only=False)
+key = int(sys.argv[2])
+
+def refuse(module, args):
+    raise RuntimeError("a pre-hook ahead of the others")
+
+def noted_when_a_pre_hook_raises():
+    handle = loaded.register_forward_pre_hook(refuse, prepend=True)
+    before = getattr(loaded, "noted", 0)
+    try:
+        loaded(x)
+    except RuntimeError:
+        pass
+    handle.remove()
+    return getattr(loaded, "noted", 0) - before
+
+seen = {"marked here": key in covered._forward_hooks_always_called, "first": noted_when_a_pre_hook_raises()}
+loaded(x)
+seen["after its forward"] = noted_when_a_pre_hook_raises()
+os.environ["BNB_GC_FIX"] = "0"
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    bnb_gc_fix.activate()
+seen["after BNB_GC_FIX=0 and activate()"] = noted_when_a_pre_hook_raises()
+seen["still marked"] = key in loaded._forward_hooks_always_called
+print(json.dumps(seen))
+"""
+
+
+def test_a_module_saved_in_another_process_keeps_the_users_own_always_called_hook(tmp_path: Path) -> None:
+    saved = tmp_path / "module.pt"
+    key = run_code(SAVED_ELSEWHERE, str(saved), prelude="scenarios", switch="0").last_json
+    fixed = run_code(LOADED_HERE, str(saved), str(key), prelude="scenarios", switch=FIX).last_json
+    control = run_code(LOADED_HERE, str(saved), str(key), prelude="scenarios", switch="0").last_json
+    assert fixed["marked here"] is True  # the collision is real: the fix marked that key here
+    ran = {"first": 1, "after its forward": 1, "after BNB_GC_FIX=0 and activate()": 1, "still marked": True}
+    assert {name: fixed[name] for name in ran} == ran, fixed
+    assert {name: control[name] for name in ran} == ran, control

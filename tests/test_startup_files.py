@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import AFFECTED, FIX, PRELUDES, ROOT, environment, run_code, run_python
+from conftest import AFFECTED, FIX, PRELUDES, ROOT, UNDER_TEST, environment, run_code, run_python
 
 pytestmark = pytest.mark.usefixtures("startup_hook_installed")
 
@@ -66,7 +66,7 @@ def test_a_module_of_our_name_in_the_working_directory_never_runs_and_the_fix_tu
         (tmp_path / f"{name}.py").write_text(SHADOW)
     fixed = _shadowed_run(tmp_path, how, FIX)
     assert fixed["shadows that ran"] == []
-    assert fixed["package"] == str(ROOT / "bnb_gc_fix" / "__init__.py")
+    assert fixed["package"] == str(UNDER_TEST / "bnb_gc_fix" / "__init__.py")
     assert fixed["counters"] == [0, 0, 0]
     assert fixed["by"] == "the start-up hook"
     if how != "script":

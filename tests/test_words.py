@@ -3,7 +3,7 @@ README's words (the cache, the counter, the forwards that switched it on, the fi
 the package's own vocabulary, and every state word it prints explained in the README (issue 42).
 
 Each situation is a process of its own that prints what ``print(status())``, ``bnb-gc-fix status``,
-``bnb-gc-fix check`` and a safety net's report say there, and the package's warnings.
+``bnb-gc-fix check`` and a notebook cell's report say there, and the package's warnings.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ WIDTH = 100
 OWN_WORDS = re.compile(r"\b(hold|holds|held|taken over|take over|let go|armed)\b", re.I)
 
 WORDS = """
-import contextlib, io, warnings
+import contextlib, io, os, warnings
 import torch
 situation = sys.argv[1]
 import quantized
@@ -29,18 +29,20 @@ if situation == "a late import":  # quantized before the package is imported (no
     model = quantized.make(params=2)
 import bnb_gc_fix
 from bnb_gc_fix.cli import main
-if situation in ("protected", "switched off before quantizing", "bitsandbytes 0.50"):
-    model = quantized.make(params=2)
-elif situation == "switched off after quantizing":
-    model = quantized.make(params=2)
-    bnb_gc_fix.deactivate()
+from bnb_gc_fix.span import Span  # what a notebook cell's end runs
 printed = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
+    if situation in ("protected", "switched off", "switched off at run time", "bitsandbytes 0.50"):
+        model = quantized.make(params=2)
+    if situation == "switched off at run time":
+        os.environ["BNB_GC_FIX"] = "0"
+        bnb_gc_fix.activate()  # too late: it says so
     if situation != "nothing quantized":
         quantized.checkpointed_counters(model, steps=1)  # a step that leaks where the fix is off
-        with bnb_gc_fix.guard():
-            quantized.interrupted_forward(model, torch.randn(2, 64))  # a step a Ctrl-C left: reported
+        cell = Span.begin()
+        quantized.interrupted_forward(model, torch.randn(2, 64))  # a cell a Ctrl-C left: reported
+        printed.append(cell.end().report("bnb_gc_fix", "this cell"))
 ours = [w for w in caught if issubclass(w.category, bnb_gc_fix.BnbGcFixWarning)]
 printed += [warnings.formatwarning(w.message, w.category, "train.py", 12) for w in ours]
 printed.append(str(bnb_gc_fix.status()))
@@ -56,8 +58,8 @@ SITUATIONS: dict[str, dict[str, Any]] = {
     # An unknown switch value too: its warning is printed as the start-up hook turns the fix on.
     "nothing quantized": {"switch": "sometimes"},
     "protected": {},
-    "switched off before quantizing": {"switch": "0"},
-    "switched off after quantizing": {},
+    "switched off": {"switch": "0"},
+    "switched off at run time": {},
     "a late import": {"prelude": "scenarios-without-startup-hook"},
     "bitsandbytes 0.50": {"release": "0.50.2"},
 }
@@ -102,5 +104,9 @@ def test_every_printed_line_is_short_and_in_the_readmes_words(situation: str) ->
     assert said and verdicts and (said | verdicts) <= _explained_in_the_readme(), (said, verdicts)
     if situation == "nothing quantized":
         assert "SwitchValueWarning: BNB_GC_FIX='sometimes' is not a known value" in printed
+    if situation == "switched off at run time":
+        assert (
+            "SwitchValueWarning: BNB_GC_FIX='0' came too late: the fix stays on in this process." in printed
+        )
     if situation != "nothing quantized":
-        assert "CacheLeakWarning: bnb_gc_fix.guard: the step left the cache switched on." in printed
+        assert "bnb_gc_fix: this cell left the cache switched on." in printed

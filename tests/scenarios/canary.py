@@ -196,10 +196,7 @@ def _switches() -> Any:
     }
 
 
-# --- bitsandbytes: the functions the fix goes into, and what they register ------------------------------
-
-ENABLE = "_enable_parametrization_cache"
-DISABLE = "_disable_parametrization_cache"
+# --- bitsandbytes: the function the fix reads, and what it registers ------------------------------------
 
 
 def _bitsandbytes() -> None:
@@ -216,15 +213,10 @@ def _bitsandbytes() -> None:
 
     @fact("bitsandbytes", "functions")
     def _functions() -> Any:
-        """The two hook functions, plain Python functions of exactly torch's hook arguments, no closure (the
-        fix gives them its code); the register function and the quantizer, callable with a module and a
+        """The register function the fix reads (by its name) and the quantizer, callable with a module and a
         parameter's name first."""
         out: dict[str, Any] = {}
-        for name, arguments in ((ENABLE, 2), (DISABLE, 3)):
-            function = getattr(bnb, name, None)
-            code = getattr(function, "__code__", None)
-            out[name] = code is not None and code.co_argcount == arguments and function.__closure__ is None
-        for name in (target.register, "replace_parameter_4bit"):
+        for name in (target.register_name, target.quantizer_name):
             function = getattr(bnb, name, None)
             positional = [
                 p
@@ -234,11 +226,17 @@ def _bitsandbytes() -> None:
             out[name] = callable(function) and len(positional) >= 2
         return out
 
+    def _pre_hook() -> Any:
+        """The pre-hook function the register function registers."""
+        module = nn.Module()
+        getattr(bnb, target.register_name)(module, "weight")
+        return next(iter(module._forward_pre_hooks.values()))
+
     @fact("bitsandbytes", "code_replaced_in_place")
     def _code_replaced() -> Any:
         """A hook function given other code (``__code__``, ``__defaults__``) keeps its identity, and a
         module holding it runs the new code (Python's data model; checked on this interpreter)."""
-        enable = getattr(bnb, ENABLE)
+        enable = _pre_hook()
         own = (enable.__code__, enable.__defaults__)
         calls: list[str] = []
 
@@ -252,15 +250,15 @@ def _bitsandbytes() -> None:
             module(torch.zeros(2))
         finally:
             enable.__code__, enable.__defaults__ = own
-        return {"ran": calls, "same_object": getattr(bnb, ENABLE) is enable, "counter": P._cache_enabled}
+        return {"ran": calls, "same_object": _pre_hook() is enable, "counter": P._cache_enabled}
 
     @fact("bitsandbytes", "registered_pair")
     def _registered_pair() -> Any:
         """What ``replace_parameter_4bit`` and ``_register_parametrization_hooks`` leave on a module: one
-        pre-hook and one forward hook per parameter, named like the enable/disable functions, from
-        bitsandbytes.nn.parametrize; always-called from the first fixed release on."""
+        pre-hook and one forward hook per parameter, from bitsandbytes.nn.parametrize; always-called from
+        the first fixed release on."""
         out = {}
-        for how in ("replace_parameter_4bit", target.register):
+        for how in (target.quantizer_name, target.register_name):
             module = nn.Linear(64, 64)
             if how == "replace_parameter_4bit":
                 bnb.replace_parameter_4bit(module, "weight")
@@ -269,8 +267,8 @@ def _bitsandbytes() -> None:
             pre = list(module._forward_pre_hooks.values())
             post = list(module._forward_hooks.values())
             out[how] = {
-                "pre_hooks": [getattr(h, "__name__", "?") for h in pre],
-                "forward_hooks": [getattr(h, "__name__", "?") for h in post],
+                "pre_hooks": len(pre),
+                "forward_hooks": len(post),
                 "from": sorted({getattr(h, "__module__", "?") for h in pre + post}),
                 "always_called": sorted(module._forward_hooks_always_called) == sorted(module._forward_hooks),
             }
@@ -280,12 +278,25 @@ def _bitsandbytes() -> None:
     def _enable_and_disable() -> Any:
         """The pair's functions move torch's counter by one and empty the cache at zero."""
         module = nn.Linear(2, 2)
+        getattr(bnb, target.register_name)(module, "weight")
+        enable = module._forward_pre_hooks[min(module._forward_pre_hooks)]
+        disable = module._forward_hooks[min(module._forward_hooks)]
         start = P._cache_enabled
-        bnb._enable_parametrization_cache(module, ())
+        enable(module, ())
         on = P._cache_enabled - start
         P._cache["canary"] = torch.ones(1)
-        bnb._disable_parametrization_cache(module, (), None)
+        disable(module, (), None)
         return {"enable_adds": on, "disable_back_to": P._cache_enabled - start, "emptied": len(P._cache) == 0}
+
+    @fact("bitsandbytes", "read")
+    def _read() -> Any:
+        """What the package reads of the installed release: its register function, called on a throwaway
+        module, registers a pair that leaks (or, from the first fixed release on, is always called), and
+        that the fix can take the place of."""
+        from bnb_gc_fix import reading
+
+        found = reading.read(target, getattr(bnb, target.register_name))
+        return {"kind": found.kind, "replaceable": found.replaceable}
 
     @fact("bitsandbytes", "forward_caches_the_dequantized_weight")
     def _forward_caches() -> Any:
