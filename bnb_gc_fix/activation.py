@@ -93,7 +93,7 @@ def _why_it_cannot_go_in(what: Reading) -> str | None:
     if what.kind == reading.NOTHING:
         return f"{what.said}: there is nothing to put the fix into"
     if not what.replaceable:
-        return f"{what.said}, and they do more or other than switch the cache on and off"
+        return f"{what.said}, and they are not plain Python functions that only switch the cache on and off"
     return _torch_too_old()
 
 

@@ -10,6 +10,7 @@ of milliseconds to a second in a large process); a training step never does. A m
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
 from typing import Any
@@ -25,11 +26,18 @@ def leaking_modules(module_name: str) -> int:
     return sum(_leaks(module, module_name) for module in modules)
 
 
+def _defined_in(hook: Any) -> str | None:
+    """The module a hook's function was defined in (through functools.partial objects)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    return getattr(hook, "__module__", None)
+
+
 def _leaks(module: Any, module_name: str) -> bool:
     try:
         hooks = dict(vars(module).get("_forward_hooks") or {})  # a module made without __init__ has none
         always = dict(vars(module).get("_forward_hooks_always_called") or {})
         skipped = [hook for key, hook in hooks.items() if key not in always]
-        return any(getattr(hook, "__module__", None) == module_name for hook in skipped)
+        return any(_defined_in(hook) == module_name for hook in skipped)
     except Exception:  # something in its __dict__ that is not a dictionary of hooks
         return False

@@ -12,6 +12,7 @@ empties the cache at 0. Nothing of the process's own state is read or written by
 from __future__ import annotations
 
 import builtins
+import functools
 from dataclasses import dataclass
 from types import FunctionType
 from typing import Any
@@ -39,7 +40,7 @@ class Reading:
     kind: str  # LEAKS, ALWAYS_OFF, NOTHING or UNREADABLE
     said: str  # what was found, for status(): "... registers a pair whose off hook ..."
     pair: tuple[Any, Any] | None = None  # (pre-hook, off hook), for LEAKS and ALWAYS_OFF
-    replaceable: bool = False  # the pair does what the fix's hooks do in its place (or is the fix's)
+    replaceable: bool = False  # plain functions doing what the fix's hooks do in their place (or the fix's)
     raised: bool = False  # the register function raised on the throwaway module
 
     @property
@@ -90,17 +91,40 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
         said = f"{named} registers {len(pre_keys)} pre-hooks and {len(off_keys)} forward hooks, not one pair"
         return Reading(UNREADABLE, said)
     pair = (module._forward_pre_hooks[pre_keys[0]], module._forward_hooks[off_keys[0]])
-    replaceable = _is_the_fixs(pair) or _does_what_the_fix_does(pair)
-    if off_keys[0] in module._forward_hooks_always_called:
+    return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named)
+
+
+def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Reading:
+    """What a registered pair does, ``always_called`` where torch calls its off hook whatever happens."""
+    if _is_the_fixs(pair):
+        return Reading(LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
+    effect = _effect_on_a_stand_in(pair)
+    replaceable = effect == SWITCHES and all(_plain_function(hook) for hook in pair)
+    if always_called:
         said = f"{named} registers an off hook that torch calls even when a forward raises"
         return Reading(ALWAYS_OFF, said, pair, replaceable)
-    said = f"{named} registers an off hook that torch skips when a forward raises"
-    return Reading(LEAKS, said, pair, replaceable)
+    if effect == SWITCHES:
+        said = f"{named} registers an off hook that torch skips when a forward raises"
+        return Reading(LEAKS, said, pair, replaceable)
+    if effect == NEVER_SWITCHES:
+        return Reading(NOTHING, f"{named} registers forward hooks that never switch the cache", pair)
+    said = f"{named} registers forward hooks that bnb-gc-fix cannot read ({effect})"
+    return Reading(UNREADABLE, said, pair)
 
 
 def _is_the_fixs(pair: tuple[Any, Any]) -> bool:
     codes = (hooks.enable_code.__code__, hooks.disable_code.__code__)
     return all(getattr(function, "__code__", None) is code for function, code in zip(pair, codes))
+
+
+def _plain_function(hook: Any) -> bool:
+    """Whether the fix can give ``hook`` its code: a Python function with no closure."""
+    return isinstance(hook, FunctionType) and hook.__closure__ is None
+
+
+# What a pair does to a stand-in of torch's cache.
+SWITCHES = "switches it on and off"  # the pre-hook adds 1, the off hook takes 1 off and empties it at 0
+NEVER_SWITCHES = "never switches it"  # neither touches the counter nor the cache
 
 
 class _StandIn:
@@ -111,31 +135,48 @@ class _StandIn:
         self._cache: dict[Any, Any] = {"a weight": None}
 
 
-def _on_a_stand_in(function: Any, counter: int, *arguments: Any) -> _StandIn:
-    """Run a copy of ``function`` whose globals are a stand-in wherever it has torch's parametrize module
-    (and nothing else but pure builtins), on a counter at ``counter``; returns the stand-in after."""
+def _unwrapped(hook: Any) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The function a hook calls, with the arguments functools.partial objects bind to it."""
+    function: Any = hook
+    bound: tuple[Any, ...] = ()
+    keywords: dict[str, Any] = {}
+    while isinstance(function, functools.partial):
+        function, bound, keywords = function.func, (*function.args, *bound), {**function.keywords, **keywords}
+    return function, bound, keywords
+
+
+def _on_a_stand_in(hook: Any, counter: int, *arguments: Any) -> _StandIn:
+    """Run a copy of ``hook``'s Python function whose globals are a stand-in wherever it has torch's
+    parametrize module (and nothing else but pure builtins), on a counter at ``counter``; returns the
+    stand-in after. Raises where the function reaches for anything else."""
+    function, bound, keywords = _unwrapped(hook)
     stand_in = _StandIn(counter)
     names: dict[str, Any] = {name: stand_in for name, value in function.__globals__.items() if value is P}
     names["__builtins__"] = _PURE_BUILTINS
     code, defaults, closure = function.__code__, function.__defaults__, function.__closure__
     copy = FunctionType(code, names, function.__name__, defaults, closure)
     copy.__kwdefaults__ = function.__kwdefaults__
-    copy(*arguments)
+    copy(*bound, *arguments, **keywords)
     return stand_in
 
 
-def _does_what_the_fix_does(pair: tuple[Any, Any]) -> bool:
-    """Whether the pre-hook adds 1 to the counter, leaving the cache, and the off hook takes 1 off,
-    emptying the cache only at 0: what the fix's hooks do in their place. False for anything that is not
-    a plain Python function of the library's module, or reaches for anything else."""
+def _effect_on_a_stand_in(pair: tuple[Any, Any]) -> str:
+    """SWITCHES where the pre-hook adds 1 to the counter, leaving the cache, and the off hook takes 1 off,
+    emptying the cache only at 0 (what the fix's hooks do in their place); NEVER_SWITCHES where neither
+    touches them; else why not, in words."""
+    if not all(isinstance(_unwrapped(hook)[0], FunctionType) for hook in pair):
+        return "they are not Python functions"
     pre_hook, off_hook = pair
     throwaway = torch.nn.Module()
     try:
         adds = [_on_a_stand_in(pre_hook, counter, throwaway, ()) for counter in (0, 1)]
         takes = [_on_a_stand_in(off_hook, counter, throwaway, (), None) for counter in (2, 1)]
-    except Exception:  # a builtin, a functools.partial, a global it needs that the stand-in lacks
-        return False
-    added = [after._cache_enabled for after in adds] == [1, 2] and all(after._cache for after in adds)
-    taken = [after._cache_enabled for after in takes] == [1, 0]
-    emptied = bool(takes[0]._cache) and not takes[1]._cache
-    return added and taken and emptied
+    except Exception as error:  # a global it needs that the stand-in lacks, say
+        return f"they reach for more than torch's parametrize module: {type(error).__name__}"
+    counters = [after._cache_enabled for after in adds + takes]
+    kept = [bool(after._cache) for after in adds + takes]
+    if counters == [1, 2, 1, 0] and kept == [True, True, True, False]:
+        return SWITCHES
+    if counters == [0, 1, 2, 1] and all(kept):
+        return NEVER_SWITCHES
+    return "they do something else to the cache"
