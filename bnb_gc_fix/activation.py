@@ -41,14 +41,11 @@ class Decision:
     """What the fix decided for one library's module."""
 
     module: ModuleType | None = None  # the module object decided for (None: not yet)
-    register: object = (
-        None  # its register function as the decision left it (its code run again makes another)
-    )
+    spec: object = None  # its __spec__ then: importing it again, or reloading it, gives it another
     outcome: str | None = None  # FIXED, NOT_NEEDED, UNREAD, CANNOT_FIX or PENDING
-    said: str = ""  # what its register function was read to register (reading.Reading.said)
-    leaks: bool | None = None  # its hooks were read to leak this way (None: not read)
+    reading: Reading | None = None  # what its register function was read to register
     why_not: str | None = None  # for CANNOT_FIX (and force on UNREAD): the reason the user must hear
-    pre_hooks: tuple[object, ...] = ()  # the library's fixed pre-hook function(s), for counting modules
+    pairs: tuple[tuple[object, object], ...] = ()  # the library's pair(s) the fix is in (a reload adds one)
     late: bool = False  # its module was imported before the fix was on: modules may predate the fix
     warned: bool = False
 
@@ -102,8 +99,7 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
     from bnb_gc_fix import patch, reading
 
     decision = fix.decisions[library.name]
-    decision.said = what.said
-    decision.leaks = what.leaks
+    decision.reading = what
     decision.why_not = None
     needed = what.kind == reading.LEAKS or fix.mode == startup.FORCE
     if not needed:
@@ -118,17 +114,16 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
     patch.apply(what.pair)
     patch.wrap_register(module, library, decide=None)
     decision.outcome = FIXED
-    decision.pre_hooks = (*decision.pre_hooks, what.pair[0])
+    decision.pairs = (*decision.pairs, what.pair)
     version = version_of(library.name)
     logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
 
 
 def decided_for(library: Library, module: object) -> bool:
-    """Whether the decision for the library is for ``module`` as its code last ran (imported again, or
-    reloaded, it has a register function of its own)."""
+    """Whether the decision for the library is for ``module`` as its code last ran (the import system
+    gives a module imported again, or reloaded, a spec of its own)."""
     decision = fix.decisions[library.name]
-    register = getattr(module, library.register_name, None)
-    return decision.module is module and decision.register is register
+    return decision.module is module and decision.spec is getattr(module, "__spec__", None)
 
 
 def _decide(library: Library, module: ModuleType) -> None:
@@ -140,12 +135,12 @@ def _decide(library: Library, module: ModuleType) -> None:
     if decided_for(library, module) and decision.outcome in (FIXED, PENDING):
         return  # nothing new to read (the mode may have changed: the fix stays in)
     decision.module = module
+    decision.spec = getattr(module, "__spec__", None)
     what = reading.read(library, patch.own_register(module, library))
     if what.raised:
         _wait_for_a_real_module(library, module, what)
     else:
         _settle(library, module, what)
-    decision.register = getattr(module, library.register_name, None)
 
 
 def _wait_for_a_real_module(library: Library, module: ModuleType, what: Reading) -> None:
@@ -154,7 +149,7 @@ def _wait_for_a_real_module(library: Library, module: ModuleType, what: Reading)
 
     decision = fix.decisions[library.name]
     decision.outcome = PENDING
-    decision.said = what.said
+    decision.reading = what
 
     def settle_later(real: Reading) -> None:  # inside the user's quantizing call: never raises
         try:

@@ -23,6 +23,9 @@ FIXED_PAIRS: list[tuple[FunctionType, FunctionType]] = []
 
 #: The covered modules alive, by ``id``.
 _covered: dict[int, weakref.ref[Any]] = {}
+#: The modules alive that hold a fixed off hook but no fixed pre-hook (another tool put a function of its
+#: own in the place of the library's pre-hook): the fix cannot cover them, and they leak as without it.
+_uncoverable: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _is_fixed_pre_hook(hook: object) -> bool:
@@ -52,6 +55,7 @@ def _fold(module: Any) -> bool:
     pre_hooks = module._forward_pre_hooks
     pre_keys = [key for key, hook in pre_hooks.items() if _is_fixed_pre_hook(hook)]
     if not pre_keys:
+        _note_if_uncoverable(module)
         return False
     off_hooks = module._forward_hooks
     always = module._forward_hooks_always_called
@@ -73,6 +77,11 @@ def _fold(module: Any) -> bool:
         collected = weakref.finalize(module, _collected, key)
         collected.atexit = False  # nothing for a module alive at exit, or collected as the interpreter ends
     return True
+
+
+def _note_if_uncoverable(module: Any) -> None:
+    if any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
+        _uncoverable.add(module)
 
 
 def _collected(key: int) -> None:
@@ -99,6 +108,15 @@ def number_holding(pre_hooks: list[object]) -> int:
     return sum(
         any(hook is pre_hook for hook in module._forward_pre_hooks.values() for pre_hook in pre_hooks)
         for module in covered_modules()
+    )
+
+
+def number_uncoverable(off_hooks: list[object]) -> int:
+    """How many modules alive the fix could not cover hold one of ``off_hooks`` (a library's fixed ones)."""
+    modules = list(_uncoverable)
+    return sum(
+        any(hook is off_hook for hook in module._forward_hooks.values() for off_hook in off_hooks)
+        for module in modules
     )
 
 

@@ -48,6 +48,11 @@ class Reading:
         """Whether the hooks read leak this way (None: they could not be read)."""
         return None if self.kind == UNREADABLE else self.kind == LEAKS
 
+    @property
+    def always_off(self) -> bool:
+        """Whether torch calls the off hook read even when a forward raises (upstream's fix)."""
+        return self.kind == ALWAYS_OFF
+
 
 def read(library: Library, register: Any) -> Reading:
     """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module."""

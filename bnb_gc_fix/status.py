@@ -206,25 +206,45 @@ def _without_the_fix(library: Library, why: str) -> _Found:
     return _Found(NOT_AFFECTED, said)
 
 
+def _leaks(decision: activation.Decision) -> bool | None:
+    """Whether the library's hooks were read to leak this way (None: not read, or unreadable)."""
+    return None if decision.reading is None else decision.reading.leaks
+
+
+def _said(decision: activation.Decision) -> str:
+    return "" if decision.reading is None else decision.reading.said
+
+
 def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
-    covered = cover.number_holding(list(decision.pre_hooks))
+    uncoverable = cover.number_uncoverable([off_hook for _, off_hook in decision.pairs])
+    if uncoverable:
+        quantized = f"{counted(uncoverable, 'module')} quantized here with {library.quantizer_name}"
+        said = f"{quantized} {'leaks' if uncoverable == 1 else 'leak'} this way: the fix is in "
+        said += f"{possessive(library.name)} hooks, but another function stands in the place of its pre-hook "
+        said += "there (another tool's), so the fix cannot cover them"
+        return _Found(UNPROTECTED, said, leaking=uncoverable)
+    covered = cover.number_holding([pre_hook for pre_hook, _ in decision.pairs])
     if decision.late:  # quantized before the fix was in: each is covered at its next forward
         covered += census.leaking_modules(library.module_name)
-    checked = _cross_check(library, version, leaks=True) if decision.leaks else ""
+    checked = _cross_check(library, version, leaks=True) if _leaks(decision) else ""
     if covered:
         quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer_name}"
         return _Found(PROTECTED, f"the fix covers {quantized}{checked}", covered=covered)
-    leaking_release = version if decision.leaks else None
+    leaking_release = version if _leaks(decision) else None
     return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
 
 
 def _not_needed(library: Library, version: str, decision: activation.Decision) -> _Found:
-    said = f"{library.name} {version}: {decision.said}{_cross_check(library, version, leaks=False)}: "
-    said += (
-        "nothing to fix. A Ctrl-C inside a forward still leaves the cache on: a notebook cell's end reports "
-        f"it, and {startup.VARIABLE}=force puts the fix into these hooks too, so that the layer's next "
-        "forward switches it off"
+    checked = _cross_check(library, version, leaks=False)
+    if decision.reading is None or not decision.reading.always_off:  # its hooks never switch the cache
+        return _Found(NOT_AFFECTED, f"{_said(decision)}{checked}: nothing of this leak")
+    named = possessive(f"{library.name} {version}")
+    ctrl_c = (
+        "A Ctrl-C inside a forward still leaves the cache on: a notebook cell's end reports it; "
+        f"{startup.VARIABLE}=force puts the fix into these hooks too, and the layer's next forward then "
+        "switches the cache off"
     )
+    said = f"{named} hooks switch the cache off even when a forward raises{checked}: nothing to fix. {ctrl_c}"
     return _Found(NOT_AFFECTED, said)
 
 
@@ -244,10 +264,10 @@ def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> s
             "bnb_gc_fix.activate() puts the fix back in"
         )
     if decision.outcome == activation.PENDING:
-        return f"{decision.said}; the next module it quantizes decides whether the fix goes in"
+        return f"{_said(decision)}; the next module it quantizes decides whether the fix goes in"
     if decision.why_not is not None:
         return f"the fix could not be put in: {decision.why_not}"
-    return f"bnb-gc-fix cannot read what its hooks do: {decision.said}"
+    return f"bnb-gc-fix cannot read what its hooks do: {_said(decision)}"
 
 
 def _decided_here(library: Library) -> activation.Decision | None:
@@ -276,7 +296,7 @@ def _library_status(library: Library) -> LibraryStatus:
     version = releases.version_of(library.name)
     found = _found(library, version)
     decision = _decided_here(library)
-    affected = None if decision is None else decision.leaks
+    affected = None if decision is None else _leaks(decision)
     fixed = decision is not None and decision.outcome == activation.FIXED
     return LibraryStatus(
         name=library.name,

@@ -302,6 +302,6 @@ def test_the_fixed_pair_steps_aside_whatever_its_version_says(
     folder, version = releases["the fixed pair, an old version number"]
     run = _run(folder, version, None, env=env)
     assert run["counters"] == [0, 0, 0] and run["warnings"] == [] and run["state"] == "not affected"
-    assert "registers an off hook that torch calls even when a forward raises" in run["said"]
+    assert "bitsandbytes 0.49.2's hooks switch the cache off even when a forward raises" in run["said"]
     assert "(bitsandbytes 0.49.2 does not, though releases 0.48.0 to before 0.50.0 do)" in run["said"]
     assert "fix: not needed here: the hooks of bitsandbytes 0.49.2 do not leak this way" in run["said"]
