@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
 from bnb_gc_fix import activation, cache, census, cover, ledger, releases
+from bnb_gc_fix.installed import has_module
 from bnb_gc_fix.lines import counted, labelled, possessive
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
@@ -279,10 +280,21 @@ def _decided_here(library: Library) -> activation.Decision | None:
     return activation.fix.decisions[library.name]
 
 
+def _release_without_the_module(library: Library) -> bool:
+    """Whether the library's release has no such module (one from before the leak), where its package is
+    imported (nothing is imported to tell)."""
+    package = library.module_name.rpartition(".")[0]
+    return package in sys.modules and not has_module(library.module_name)
+
+
 def _found(library: Library, version: str | None) -> _Found:
     if version is None:
         return _Found(NOT_AFFECTED, f"{library.name} is not imported in this process")
     if sys.modules.get(library.module_name) is None:
+        if _release_without_the_module(library):
+            return _Found(
+                NOT_AFFECTED, f"{library.name} {version} has no {library.module_name}: nothing of this leak"
+            )
         return _Found(NOT_AFFECTED, _nothing_quantized(library))
     decision = _decided_here(library)
     if decision is not None and decision.outcome == activation.FIXED:

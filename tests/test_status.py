@@ -103,7 +103,9 @@ WARN_PATHS = {
     "patch skipped": (
         WITHOUT_STARTUP_HOOK
         + "from bitsandbytes.nn import parametrize\n"
-        + "parametrize._enable_parametrization_cache = lambda module, inputs: None  # unknown code\n"
+        + "from functools import partial\n"
+        + "enable = parametrize._enable_parametrization_cache\n"
+        + "parametrize._enable_parametrization_cache = partial(enable)  # the pair, in a partial\n"
         + "import bnb_gc_fix  # USER LINE\n"
     ),
 }
