@@ -77,9 +77,10 @@ def cell_names() -> list[str]:
 
 
 def gather(results: Path) -> dict[str, Any] | None:
-    """docs/matrix.json's content from the cells' result files; None when no cell has results."""
+    """docs/matrix.json's content from the cells' result files, each cell with the runs the table reads
+    (those that recorded a role); None when no cell has results."""
     cells = [
-        json.loads((results / f"{n}.json").read_text())
+        _with_roles_only(json.loads((results / f"{n}.json").read_text()))
         for n in cell_names()
         if (results / f"{n}.json").exists()
     ]
@@ -87,6 +88,19 @@ def gather(results: Path) -> dict[str, Any] | None:
         return None
     generated = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"generated_by": "nox (noxfile.py, cells.toml)", "generated": generated, "cells": cells}
+
+
+def _with_roles_only(cell: dict[str, Any]) -> dict[str, Any]:
+    """A cell's result with only the tests that recorded their role in the matrix (its counts keep every
+    test)."""
+    return {**cell, "tests": [test for test in cell["tests"] if "matrix" in test]}
+
+
+def as_json(matrix: dict[str, Any]) -> str:
+    """docs/matrix.json's text: a cell a line."""
+    cells = ",\n".join("  " + json.dumps(cell, sort_keys=True) for cell in matrix["cells"])
+    head = {key: value for key, value in matrix.items() if key != "cells"}
+    return json.dumps(head, indent=1)[:-2] + ',\n "cells": [\n' + cells + "\n ]\n}\n"
 
 
 def _counters(values: list[int] | None) -> str:
@@ -407,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         return _check(matrix)
     if fresh is not None:
-        MATRIX.write_text(json.dumps(fresh, indent=1) + "\n")
+        MATRIX.write_text(as_json(fresh))
     MATRIX_PAGE.write_text(_replace(MATRIX_PAGE.read_text(), render(matrix)))
     if not args.table_only:
         for document in documents():

@@ -159,7 +159,7 @@ def test_a_module_collected_at_exit_prints_nothing(switch: str | None) -> None:
         COLLECTED_AT_EXIT, prelude="scenarios", switch=switch, fresh="the interpreter's teardown collects it"
     )
     assert result.last_line == "0"
-    assert "Exception ignored" not in result.stderr, result.stderr  # was: a TypeError from gate.py
+    assert "Exception ignored" not in result.stderr, result.stderr  # was: a TypeError from the fix's code
 
 
 # A module that calls itself; its first inner call is stopped by a KeyboardInterrupt, which it catches.

@@ -3,7 +3,7 @@ globals are exactly those of the same module pickled with the fix off, and loads
 
 The fix keeps bitsandbytes' two hook functions as they are (it gives them its code), so a pickle names
 them as the control's does. Where the fix is active a loaded module deep-copies and pickles again before
-its first forward, and is taken over at that forward; where it is not (switched off, or not installed),
+its first forward, and is covered at that forward; where it is not (switched off, or not installed),
 it loads with bitsandbytes' own code, as the control does.
 """
 
