@@ -56,7 +56,7 @@ def wrap_register(module: ModuleType, library: Library, decide: Decide | None) -
         before = _hooks_before(quantized) if wrapper._self_decide is not None else None
         result = wrapped(*args, **kwargs)
         if before is not None:
-            _decide_from(wrapper, reading.registered(quantized, before, named))
+            _decide_from(wrapper, quantized, before, named)
         cover.cover(quantized)  # never raises: what is not a module is left as it is
         return result
 
@@ -72,10 +72,15 @@ def _hooks_before(quantized: Any) -> reading.Hooks | None:
     return reading.Hooks.of(quantized)
 
 
-def _decide_from(wrapper: _RegisterWrapper, what: reading.Reading) -> None:
-    """Hand a real module's reading to the pending decision, unless nothing was registered on it (a
-    module registered on before): then the next module decides."""
+def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hooks, named: str) -> None:
+    """Hand what the register function registered on a real module to the pending decision, unless it
+    registered nothing there (a module registered on before): then the next module decides. Never raises
+    into the user's quantizing call (the decision warns instead)."""
     decide = wrapper._self_decide
+    try:
+        what = reading.registered(quantized, before, named)
+    except Exception:  # hook dictionaries that do not look as torch's: the next module decides
+        return
     if decide is None or what.kind == reading.NOTHING:
         return
     wrapper._self_decide = None

@@ -30,7 +30,7 @@ NOTHING = "nothing"  # no forward hooks at all
 UNREADABLE = "unreadable"  # no register function, one that raised, or hooks that are not one pair
 
 #: The builtins a hook of the pair may use on the stand-in (bitsandbytes 0.50's clamp uses ``max``).
-_PURE_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min", "abs", "int", "bool", "dict")}
+_PURE_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min", "abs", "int", "bool")}
 
 
 @dataclass(frozen=True)
