@@ -110,9 +110,10 @@ class Status:
         return labelled("fix", text + self._elsewhere_text(said_the_hook))
 
     def _not_needed_by(self) -> str:
-        """The libraries imported here, if every one of them was read not to need the fix (else "")."""
+        """The libraries imported here, if every one of them was read not to leak and the fix is in none of
+        them (else "")."""
         imported = [library for library in self.libraries if library.version is not None]
-        if not imported or any(library.affected is not False for library in imported):
+        if not imported or any(library.affected is not False or library.fixed for library in imported):
             return ""
         return " and ".join(f"{library.name} {library.version}" for library in imported)
 
@@ -146,7 +147,7 @@ class Status:
             why = "the fix is off" if self.turned_on_by is None else "the fix is not in them"
             return f"left on by {named} ({why})"
         causes = [
-            f"a Ctrl-C inside a forward of {library.name} {library.version}'s own hooks"
+            f"a Ctrl-C inside a forward of {possessive(f'{library.name} {library.version}')} own hooks"
             for library in self.libraries
             if library.affected is False and not library.fixed
         ]

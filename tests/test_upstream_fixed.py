@@ -100,6 +100,7 @@ def test_force_status_reason_says_why(bnb_050: Path) -> None:
     assert facts["on"] is True and facts["switch"] == "FORCE"
     # Nothing quantized in the command's own process: not affected, and the fix is in bitsandbytes' code.
     assert facts["state"] == "not affected" and facts["libraries"][0]["affected"] is False
+    assert facts["libraries"][0]["fixed"] is True  # force: the fix is in hooks that do not leak
     assert (
         "no module in this process has weights quantized with replace_parameter_4bit now" in facts["reason"]
     )
