@@ -142,7 +142,7 @@ class TurningOnLoader:
             self.loader.exec_module(module)
         finally:
             executing.discard(name)
-        turn_on(name)
+        import_the_package_for(name)
 
 
 def _spec_from_later_finders(
@@ -165,9 +165,9 @@ def _installed_package_spec() -> "ModuleSpec | None":
     return PathFinder.find_spec(PACKAGE, [folder])
 
 
-def turn_on(name: str) -> None:
+def import_the_package_for(name: str) -> None:
     """A watched module has been imported: import the package (which turns the fix on) unless BNB_GC_FIX
-    switches it off now, and have it patch that module. Never raises into the user's import."""
+    switches it off now, and have it decide for that module. Never raises into the user's import."""
     global importing_package
     if PACKAGE not in sys.modules and switched_off():
         return
@@ -199,6 +199,6 @@ def install() -> None:
         watch()
         for name in WATCHED:
             if name in sys.modules:
-                turn_on(name)
+                import_the_package_for(name)
     except Exception:
         pass

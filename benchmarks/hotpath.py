@@ -36,18 +36,13 @@ def registers() -> dict[str, Callable[..., None] | None]:
     """Each configuration's ``_register_parametrization_hooks`` (None: bitsandbytes' own, which the fix
     wraps). The fix goes in as the start-up hook puts it in: bitsandbytes' two hook functions get its code,
     process-wide, and its register function covers each module it quantizes."""
-    import bitsandbytes.nn.parametrize as bnb_parametrize
+    import bitsandbytes.nn.parametrize  # noqa: F401 (before the fix is on: bitsandbytes' own code)
 
-    import _bnb_gc_fix
-    from bnb_gc_fix import patch, reading
+    upstream = harness.upstream_register()  # copies of bitsandbytes' functions, made before the fix is in
+    os.environ["BNB_GC_FIX"] = "auto"
+    import bnb_gc_fix
 
-    library = _bnb_gc_fix.BITSANDBYTES
-    what = reading.read(library, patch.own_register(bnb_parametrize, library))
-    assert what.kind == reading.LEAKS and what.replaceable, what
-    assert what.pair is not None
-    patch.apply(what.pair)
-    patch.wrap_register(bnb_parametrize, library, decide=None)
-    upstream = harness.upstream_register()
+    assert bnb_gc_fix.activate().libraries[0].fixed
     return {BASELINE: upstream, FIX: None, FLOOR: upstream}
 
 

@@ -8,11 +8,12 @@ import logging
 
 import _bnb_gc_fix as _startup
 from bnb_gc_fix import activation as _activation
+from bnb_gc_fix import notebook as _notebook
 from bnb_gc_fix._version import __version__
-from bnb_gc_fix.cache import reset
-from bnb_gc_fix.errors import BnbGcFixWarning, PatchSkippedWarning, SwitchValueWarning
-from bnb_gc_fix.errors import logger as _logger
+from bnb_gc_fix.ledger import reset
 from bnb_gc_fix.status import LibraryStatus, Status, status
+from bnb_gc_fix.warning import BnbGcFixWarning, PatchSkippedWarning, SwitchValueWarning
+from bnb_gc_fix.warning import logger as _logger
 
 __all__ = [
     "BnbGcFixWarning",
@@ -32,8 +33,15 @@ _logger.addHandler(logging.NullHandler())
 def activate() -> Status:
     """Turn the fix on as ``BNB_GC_FIX`` says now (idempotent, never raises); returns :func:`status`. The
     fix cannot be switched off in a running process: ``BNB_GC_FIX=0`` from its start is the off switch."""
-    _activation.activate(via=_activation.ACTIVATE)
+    _turn_on(via=_activation.ACTIVATE)
     return status()
 
 
-_activation.activate(via=_activation.STARTUP_HOOK if _startup.importing_package else _activation.IMPORT)
+def _turn_on(via: str) -> None:
+    """The fix on as the switch says, and with it, in IPython, the cell-end release."""
+    _activation.activate(via=via)
+    if _activation.fix.turned_on_by is not None:
+        _notebook.install()
+
+
+_turn_on(via=_activation.STARTUP_HOOK if _startup.importing_package else _activation.IMPORT)

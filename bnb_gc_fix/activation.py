@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
-from bnb_gc_fix import lock, notebook
-from bnb_gc_fix.errors import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
+from bnb_gc_fix import lock
 from bnb_gc_fix.lines import message
 from bnb_gc_fix.releases import MIN_TORCH, release, version_of
+from bnb_gc_fix.warning import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
 
 if TYPE_CHECKING:  # reading imports torch: imported where a library's module is, so torch is too
     from bnb_gc_fix.reading import Reading
@@ -45,7 +45,6 @@ class Decision:
     outcome: str | None = None  # FIXED, NOT_NEEDED, UNREAD, CANNOT_FIX or PENDING
     reading: Reading | None = None  # what its register function was read to register
     why_not: str | None = None  # for CANNOT_FIX (and force on UNREAD): the reason the user must hear
-    pairs: tuple[tuple[object, object], ...] = ()  # the library's pair(s) the fix is in (a reload adds one)
     late: bool = False  # its module was imported before the fix was on: modules may predate the fix
     warned: bool = False
 
@@ -111,10 +110,9 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
         _warn_once(library, decision)
         return
     assert what.pair is not None
-    patch.apply(what.pair)
+    patch.apply(what.pair, library)
     patch.wrap_register(module, library, decide=None)
     decision.outcome = FIXED
-    decision.pairs = (*decision.pairs, what.pair)
     version = version_of(library.name)
     logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
 
@@ -206,7 +204,6 @@ def activate(via: str = ACTIVATE) -> None:
             if fix.mode == startup.OFF:
                 return
             fix.turned_on_by = fix.turned_on_by or via
-            notebook.install()
             startup.watch()
             for library in LIBRARIES:
                 module = _imported_whole(library)

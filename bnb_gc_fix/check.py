@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from _bnb_gc_fix import BITSANDBYTES
-from bnb_gc_fix.cache import reset
 from bnb_gc_fix.installed import try_import
+from bnb_gc_fix.ledger import reset
 from bnb_gc_fix.releases import MIN_TORCH, release
 from bnb_gc_fix.status import status
 

@@ -17,9 +17,10 @@ from typing import Any
 
 from bnb_gc_fix import ledger, lock
 
-#: Every pair of hook functions the fix gave its code, as (pre-hook, off hook): the one record of what
-#: was patched (``patch.apply`` adds to it; a library module imported again adds its new pair).
-FIXED_PAIRS: list[tuple[FunctionType, FunctionType]] = []
+#: Every pair of hook functions the fix gave its code, as (pre-hook, off hook), with its library's name:
+#: the one record of what was patched (``patch.apply`` adds to it; a library module imported again adds
+#: its new pair).
+FIXED_PAIRS: dict[tuple[FunctionType, FunctionType], str] = {}
 
 #: The covered modules alive, by ``id``.
 _covered: dict[int, weakref.ref[Any]] = {}
@@ -103,16 +104,22 @@ def covered_modules() -> list[Any]:
     return [module for module in modules if module is not None]
 
 
-def number_holding(pre_hooks: list[object]) -> int:
-    """How many covered modules hold one of ``pre_hooks`` (a library's fixed pre-hooks)."""
+def _fixed_pairs_of(library_name: str) -> list[tuple[FunctionType, FunctionType]]:
+    return [pair for pair, name in FIXED_PAIRS.items() if name == library_name]
+
+
+def number_covered(library_name: str) -> int:
+    """How many covered modules hold one of the library's fixed pre-hooks."""
+    pre_hooks = [pre_hook for pre_hook, _ in _fixed_pairs_of(library_name)]
     return sum(
         any(hook is pre_hook for hook in module._forward_pre_hooks.values() for pre_hook in pre_hooks)
         for module in covered_modules()
     )
 
 
-def number_uncoverable(off_hooks: list[object]) -> int:
-    """How many modules alive the fix could not cover hold one of ``off_hooks`` (a library's fixed ones)."""
+def number_uncoverable(library_name: str) -> int:
+    """How many modules alive the fix could not cover hold one of the library's fixed off hooks."""
+    off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
     modules = list(_uncoverable)
     return sum(
         any(hook is off_hook for hook in module._forward_hooks.values() for off_hook in off_hooks)
@@ -120,11 +127,11 @@ def number_uncoverable(off_hooks: list[object]) -> int:
     )
 
 
-def off_hook_still_plain(module: Any) -> bool:
-    """Whether the module's last fixed off hook is not marked always called (or it holds none): then a
-    forward that began before the fix covered it took the library's own +1, which its off hook gives back
-    as the library would (torch calls a plain hook only after the forward and its pre-hooks ran)."""
+def off_hooks_all_plain(module: Any) -> bool:
+    """Whether none of the module's fixed off hooks is marked always called: then a forward that began
+    before the fix covered it took the library's own +1 at each of its pre-hooks, and each of its off hooks
+    gives one back as the library's would (torch calls a plain hook only after the forward returned). A
+    deep copy of a covered module keeps its mark, and gives nothing back that it did not take."""
     always = getattr(module, "_forward_hooks_always_called", {})
     hooks = getattr(module, "_forward_hooks", {})
-    off_keys = [key for key, hook in hooks.items() if _is_fixed_off_hook(hook)]
-    return not off_keys or off_keys[-1] not in always
+    return not any(key in always for key, hook in hooks.items() if _is_fixed_off_hook(hook))

@@ -29,7 +29,7 @@ def _never_compiling() -> bool:  # a torch without torch.compiler.is_dynamo_comp
 _compiling = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 
-def enable_code(
+def pre_hook_code(
     module: Any,
     inputs: Any,
     _P: Any = P,  # noqa: N803 (torch's own name for the module)
@@ -41,8 +41,9 @@ def enable_code(
     _switch_off: Callable[[Any, int], None] = cache.switch_off,
 ) -> None:
     """The pre-hook: switch the cache on for the module on this thread, covering the module first if that
-    is still to do. A switch-on made in a torch.compile trace has ticket 0 (Dynamo would compile anew for
-    each ticket): no notebook cell switches it off; the module's next forward does."""
+    is still to do (where it cannot be, it adds 1 as the library's own pre-hook does). A switch-on made in a
+    torch.compile trace has ticket 0 (Dynamo would compile anew for each ticket): no notebook cell
+    switches it off; the module's next forward does."""
     key = id(module)
     if key not in _covered:
         covered = _cover(module)
@@ -56,22 +57,26 @@ def enable_code(
     _P._cache_enabled += 1
 
 
-def disable_code(
+def off_hook_code(
     module: Any,
     inputs: Any,
     output: Any,
     _P: Any = P,  # noqa: N803 (torch's own name for the module)
     _local: Any = ledger.local,
-    _still_plain: Callable[[Any], bool] = cover.off_hook_still_plain,
+    _all_plain: Callable[[Any], bool] = cover.off_hooks_all_plain,
     _switch_off: Callable[[Any, int], None] = cache.switch_off,
 ) -> None:
-    """The off hook, always called: switch off this thread's switch-on for the module. Without one (an
-    earlier pre-hook raised, so this module's never ran; or it was switched off early) nothing is switched
-    off, unless the module's off hook is still plain: then its forward began before the fix covered it."""
+    """The off hook, always called on a covered module: switch off this thread's switch-on for the module.
+    Without one (an earlier pre-hook raised, so the module's never ran; or it was switched off early)
+    nothing is switched off, unless none of the module's off hooks is marked always called: its forward
+    began before the fix covered it (or it cannot be covered), so its pre-hook took the library's own +1,
+    which this switches off as the library's own off hook would (torch calls a plain one only after the
+    forward and its pre-hooks ran). A covered module (its off hook marked) with another pair registered on
+    it later, or a copy of one, never switches off what it did not switch on."""
     key = id(module)
     switch_ons = _local.switch_ons
     if key in switch_ons:
         _switch_off(_P, 1)
         switch_ons.pop(key, None)  # reset() on another thread may have forgotten it meanwhile
-    elif _still_plain(module):
+    elif _all_plain(module):
         _switch_off(_P, 1)

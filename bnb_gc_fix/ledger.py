@@ -92,3 +92,19 @@ def forget_every_thread() -> None:
     """Every thread forgets its switch-ons, switching nothing off (the counter was reset)."""
     for switch_ons in list(_threads.values()):
         switch_ons.clear()
+
+
+def reset() -> int:
+    """``bnb_gc_fix.reset()``: switch torch's parametrization cache off, whoever switched it on. The counter
+    goes to 0, the cache is emptied, and the fix forgets what its forwards had switched on. Returns the
+    counter as it stood (0 while torch's parametrize module is not imported). Never imports torch. Inside
+    an open ``P.cached()`` block the counter ends at -1 when the block does: call it once no forward runs
+    and no such block is open."""
+    parametrize = cache.parametrize()
+    if parametrize is None:
+        return 0
+    forget_every_thread()
+    before = max(cache.counter(), 0)
+    parametrize._cache_enabled = 0
+    parametrize._cache = {}
+    return before

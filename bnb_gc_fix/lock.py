@@ -1,4 +1,4 @@
-"""The package's one lock: held to turn the fix on or off, and to take a module over."""
+"""The package's one lock: held to turn the fix on, to decide for a library, and to cover a module."""
 
 from __future__ import annotations
 

@@ -87,14 +87,13 @@ def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hook
     decide(what)
 
 
-def apply(pair: tuple[Any, Any]) -> None:
-    """Give the pair's two functions the fix's code, keeping their own signatures (once)."""
-    codes = (hooks.enable_code, hooks.disable_code)
+def apply(pair: tuple[Any, Any], library: Library) -> None:
+    """Give the library's pair of hook functions the fix's code, keeping their own signatures (once)."""
+    codes = (hooks.pre_hook_code, hooks.off_hook_code)
     for function, fix in zip(pair, codes):
         if function.__code__ is fix.__code__:
             continue
         function.__signature__ = inspect.signature(function)
         function.__code__ = fix.__code__
         function.__defaults__ = fix.__defaults__
-    if pair not in cover.FIXED_PAIRS:
-        cover.FIXED_PAIRS.append(pair)
+    cover.FIXED_PAIRS[pair] = library.name

@@ -1,6 +1,6 @@
 """What a library's hooks do, read from what its code does, never from its version or the names of its hooks.
 
-Its register function is called on a throwaway module (one small parameter, nothing else), and what it
+Its register function is called on a throwaway module (one parameter, on the meta device), and what it
 registered there is read: a pre-hook and an off hook, and whether torch always calls the off hook. Where
 that call raises, the same reading is made on the first module the library itself quantizes
 (``bnb_gc_fix.patch``). The pair found is then run against a stand-in of torch's parametrize module, a copy
@@ -55,18 +55,30 @@ class Reading:
 
 
 def read(library: Library, register: Any) -> Reading:
-    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module."""
+    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module whose
+    one parameter lies on the meta device (a register function that quantizes it computes nothing)."""
     named = f"{library.module_name}.{library.register_name}()"
     if not callable(register):
         return Reading(UNREADABLE, f"{library.module_name} has no {library.register_name}()")
     throwaway = torch.nn.Module()
-    throwaway.weight = torch.nn.Parameter(torch.zeros(1, 1), requires_grad=False)
+    throwaway.weight = torch.nn.Parameter(torch.empty(1, 1, device="meta"), requires_grad=False)
     try:
         register(throwaway, "weight")
     except Exception as error:
         said = f"{named} raised {type(error).__name__} on a throwaway module"
         return Reading(UNREADABLE, said, raised=True)
-    return registered(throwaway, Hooks.none(), named)
+    try:
+        return registered(throwaway, Hooks.none(), named)
+    finally:
+        _let_it_hold_nothing(throwaway)
+
+
+def _let_it_hold_nothing(throwaway: Any) -> None:
+    """Empty the throwaway's hook dictionaries: until the collector frees it (a parametrized module is
+    garbage in a reference cycle), nothing counts it among the modules quantized here."""
+    throwaway._forward_pre_hooks.clear()
+    throwaway._forward_hooks.clear()
+    throwaway._forward_hooks_always_called.clear()
 
 
 @dataclass(frozen=True)
@@ -118,7 +130,7 @@ def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Readin
 
 
 def _is_the_fixs(pair: tuple[Any, Any]) -> bool:
-    codes = (hooks.enable_code.__code__, hooks.disable_code.__code__)
+    codes = (hooks.pre_hook_code.__code__, hooks.off_hook_code.__code__)
     return all(getattr(function, "__code__", None) is code for function, code in zip(pair, codes))
 
 

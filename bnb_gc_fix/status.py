@@ -218,14 +218,14 @@ def _said(decision: activation.Decision) -> str:
 
 
 def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
-    uncoverable = cover.number_uncoverable([off_hook for _, off_hook in decision.pairs])
+    uncoverable = cover.number_uncoverable(library.name)
     if uncoverable:
         quantized = f"{counted(uncoverable, 'module')} quantized here with {library.quantizer_name}"
         said = f"{quantized} {'leaks' if uncoverable == 1 else 'leak'} this way: the fix is in "
         said += f"{possessive(library.name)} hooks, but another function stands in the place of its pre-hook "
         said += "there (another tool's), so the fix cannot cover them"
         return _Found(UNPROTECTED, said, leaking=uncoverable)
-    covered = cover.number_holding([pre_hook for pre_hook, _ in decision.pairs])
+    covered = cover.number_covered(library.name)
     if decision.late:  # quantized before the fix was in: each is covered at its next forward
         covered += census.leaking_modules(library.module_name)
     checked = _cross_check(library, version, leaks=True) if _leaks(decision) else ""

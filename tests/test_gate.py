@@ -357,6 +357,6 @@ def test_the_hooks_code_loads_no_global() -> None:
     module: a name loaded from the globals would be the library's, or missing."""
     from bnb_gc_fix import hooks, ledger
 
-    assert _globals_loaded(hooks.enable_code) == set()
-    assert _globals_loaded(hooks.disable_code) == set()
+    assert _globals_loaded(hooks.pre_hook_code) == set()
+    assert _globals_loaded(hooks.off_hook_code) == set()
     assert _globals_loaded(ledger.switch_off_since) == {"local", "cache"}  # control: it sees a global load

@@ -29,7 +29,7 @@ if situation == "a late import":  # quantized before the package is imported (no
     model = quantized.make(params=2)
 import bnb_gc_fix
 from bnb_gc_fix.cli import main
-from bnb_gc_fix.span import Span  # what a notebook cell's end runs
+from bnb_gc_fix.notebook import Span  # what a notebook cell's end runs
 printed = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")

@@ -3,12 +3,13 @@
     python tests/scenarios/gate_property.py [--examples N]
 
 Each of two threads runs a program of top-level steps, each inside a span, as a notebook cell is
-(``bnb_gc_fix.span.Span``, what the cell-end release runs). A step is a tree of calls of a few 4-bit
+(``bnb_gc_fix.notebook.Span``, what the cell-end release runs). A step is a tree of calls of a few 4-bit
 quantized modules (nested, sibling, a module calling itself), compiled calls (``torch.compile``,
 ``backend="eager"``), non-reentrant checkpointed regions whose recompute stops early, ``P.cached()``
 blocks (some left open past the step's span, closed at the thread's next step), ``reset()`` and
 bitsandbytes' own off function called inside a forward, a forward pre-hook registered ahead of
-bitsandbytes' that raises, deep copies of the modules (then called like the others), ``Exception`` and
+bitsandbytes' that raises, deep copies of the modules (then called like the others), bitsandbytes' pair
+registered again on a module past its register function (its off hook plain), ``Exception`` and
 ``BaseException`` raised at random points and caught at random levels, and yields. A yield hands the turn
 to the other thread (one runs at a time, so every interleaving is the program's own, the same on every
 run). The second thread is started with ``_thread.start_new_thread`` in half the examples (such threads
@@ -38,14 +39,14 @@ from typing import Any, Callable, Union
 import torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import bnb_gc_fix
 from bnb_gc_fix import ledger
-from bnb_gc_fix.span import Span
+from bnb_gc_fix.notebook import Span
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from quantized import quantize
@@ -125,6 +126,14 @@ class DeepCopy:
 
 
 @dataclass(frozen=True)
+class ExtraPair:
+    """bitsandbytes' pair registered again on ``module``, directly, past its register function: one more
+    pre-hook and a plain off hook of the functions the fix is in (once a module)."""
+
+    module: int
+
+
+@dataclass(frozen=True)
 class Yield:
     """Hand the turn to the other thread, and wait for it to come back."""
 
@@ -140,6 +149,7 @@ Step = Union[
     StrayOff,
     PreHookAhead,
     DeepCopy,
+    ExtraPair,
     Yield,
 ]
 
@@ -157,6 +167,7 @@ def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
         st.builds(StrayOff),
         st.builds(PreHookAhead, module=module),
         st.builds(DeepCopy, module=module),
+        st.builds(ExtraPair, module=module),
         st.builds(Call, module=module, body=st.just(()), catch=catch),
     )
 
@@ -331,6 +342,7 @@ class World:
     compiled: list[Any]  # the MODULES, compiled
     innermost: list[list[int]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # running calls
     opened: list[list[Any]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # OpenCached blocks
+    extra_pairs: list[Node] = field(default_factory=list)  # the modules given a pair again
 
     def node(self, module: int) -> int:
         """The index of the module a step names: counted from the newest (0: the last copy made, or the
@@ -472,6 +484,16 @@ def deep_copy(world: World, step: DeepCopy) -> None:
         world.nodes.append(copy.deepcopy(world.nodes[world.node(step.module)]))
 
 
+def extra_pair(world: World, step: ExtraPair) -> None:
+    node = world.nodes[world.node(step.module)]
+    if node in world.extra_pairs:
+        return
+    world.extra_pairs.append(node)
+    node.register_forward_pre_hook(parametrize._enable_parametrization_cache)
+    node.register_forward_hook(parametrize._disable_parametrization_cache)
+    world.oracle.check("after a pair registered again")
+
+
 def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
     for step in body:
         if isinstance(step, Raise):
@@ -497,6 +519,8 @@ def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
             stray_off(world, me)
         elif isinstance(step, PreHookAhead):
             pre_hook_ahead(world, me, step, x)
+        elif isinstance(step, ExtraPair):
+            extra_pair(world, step)
         else:
             deep_copy(world, step)
 
@@ -549,6 +573,13 @@ def check_programs(world: World, first: Any, second: Any, raw_thread: bool) -> N
     assert not world.oracle.failures, "\n".join(world.oracle.failures)
 
 
+# A covered module given bitsandbytes' pair again, then called inside a P.cached() block: its plain off
+# hook, which finds no switch-on of its own, must not switch off the block's (random programs rarely line
+# this up: it is pinned).
+EXTRA_PAIR_IN_A_BLOCK = ((Call(0, (), None), ExtraPair(0), Cached(body=(Call(0, (), None),))),)
+IDLE = ((Yield(),),)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=300)
@@ -573,6 +604,7 @@ def main() -> int:
         database=None,
     )
     @given(programs(), programs(), st.booleans())
+    @example(EXTRA_PAIR_IN_A_BLOCK, IDLE, False)
     def prop(first: Any, second: Any, raw_thread: bool) -> None:
         check_programs(world, first, second, raw_thread)
 
