@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field
+from enum import Enum
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -28,12 +29,15 @@ IMPORT = "import bnb_gc_fix"
 STARTUP_HOOK = "the start-up hook"
 ACTIVATE = "activate()"
 
-# What the fix does in a library's module, as decided.
-FIXED = "fixed"  # the fix is in its hooks
-NOT_NEEDED = "not needed"  # its hooks do not leak this way (or register nothing)
-UNREAD = "unread"  # what its hooks do could not be read; nothing changed
-CANNOT_FIX = "cannot fix"  # its hooks leak (or force asked), but the fix cannot take their place safely
-PENDING = "pending"  # read on the first module it quantizes (its register function raised on a throwaway)
+
+class Outcome(Enum):
+    """What the fix did in a library's module, as decided."""
+
+    FIXED = "the fix is in its hooks"
+    NOT_NEEDED = "its hooks do not leak this way (or never switch the cache)"
+    UNREAD = "what its hooks do could not be read; nothing changed"
+    CANNOT_FIX = "its hooks leak (or force asked), but the fix cannot take their place safely"
+    PENDING = "read on the first module it quantizes (its register function quantizes, or raised)"
 
 
 @dataclass
@@ -42,9 +46,11 @@ class Decision:
 
     module: ModuleType | None = None  # the module object decided for (None: not yet)
     spec: object = None  # its __spec__ then: importing it again, or reloading it, gives it another
-    outcome: str | None = None  # FIXED, NOT_NEEDED, UNREAD, CANNOT_FIX or PENDING
+    outcome: Outcome | None = None
     reading: Reading | None = None  # what its register function was read to register
-    why_not: str | None = None  # for CANNOT_FIX (and force on UNREAD): the reason the user must hear
+    why_not: str | None = (
+        None  # for CANNOT_FIX (and force on an unreadable one): the reason the user must hear
+    )
     late: bool = False  # its module was imported before the fix was on: modules may predate the fix
     warned: bool = False
 
@@ -84,9 +90,9 @@ def _why_it_cannot_go_in(what: Reading) -> str | None:
     """Why the fix cannot take the place of the pair read (None: it can)."""
     from bnb_gc_fix import reading
 
-    if what.kind == reading.UNREADABLE:
+    if what.kind == reading.Kind.UNREADABLE:
         return f"{what.said}, so bnb-gc-fix cannot tell what its hooks do"
-    if what.kind == reading.NOTHING:
+    if what.kind == reading.Kind.NOTHING:
         return f"{what.said}: there is nothing to put the fix into"
     if not what.replaceable:
         return f"{what.said}, and they are not plain Python functions that only switch the cache on and off"
@@ -100,19 +106,19 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
     decision = fix.decisions[library.name]
     decision.reading = what
     decision.why_not = None
-    needed = what.kind == reading.LEAKS or fix.mode == startup.FORCE
+    needed = what.kind == reading.Kind.LEAKS or fix.mode == startup.FORCE
     if not needed:
-        decision.outcome = NOT_NEEDED if what.kind != reading.UNREADABLE else UNREAD
+        decision.outcome = Outcome.NOT_NEEDED if what.kind != reading.Kind.UNREADABLE else Outcome.UNREAD
         return
     decision.why_not = _why_it_cannot_go_in(what)
     if decision.why_not is not None:
-        decision.outcome = CANNOT_FIX
+        decision.outcome = Outcome.CANNOT_FIX
         _warn_once(library, decision)
         return
     assert what.pair is not None
     patch.apply(what.pair, library)
     patch.wrap_register(module, library, decide=None)
-    decision.outcome = FIXED
+    decision.outcome = Outcome.FIXED
     version = version_of(library.name)
     logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)
 
@@ -130,23 +136,24 @@ def _decide(library: Library, module: ModuleType) -> None:
     from bnb_gc_fix import patch, reading
 
     decision = fix.decisions[library.name]
-    if decided_for(library, module) and decision.outcome in (FIXED, PENDING):
+    if decided_for(library, module) and decision.outcome in (Outcome.FIXED, Outcome.PENDING):
         return  # nothing new to read (the mode may have changed: the fix stays in)
     decision.module = module
     decision.spec = getattr(module, "__spec__", None)
     what = reading.read(library, patch.own_register(module, library))
-    if what.raised:
+    if what.deferred:
         _wait_for_a_real_module(library, module, what)
     else:
         _settle(library, module, what)
 
 
 def _wait_for_a_real_module(library: Library, module: ModuleType, what: Reading) -> None:
-    """The register function raised on a throwaway module: the first module it quantizes decides."""
+    """The register function quantizes, or raised on a throwaway module: the first module it quantizes
+    decides."""
     from bnb_gc_fix import patch
 
     decision = fix.decisions[library.name]
-    decision.outcome = PENDING
+    decision.outcome = Outcome.PENDING
     decision.reading = what
 
     def settle_later(real: Reading) -> None:  # inside the user's quantizing call: never raises

@@ -32,15 +32,15 @@ def cached_bytes() -> int:
     return sum(v.numel() * v.element_size() for v in values if tensor is not None and isinstance(v, tensor))
 
 
-def switch_off(parametrize: Any, count: int) -> None:
-    """Take ``count`` switch-ons off the counter of ``parametrize`` (torch's parametrize module, given by
-    the caller: the hooks bind it), never below 0; the cache is emptied at 0. With nothing to take off,
-    the counter is neither read nor written."""
+def switch_off(torch_parametrize: Any, count: int) -> None:
+    """Take ``count`` switch-ons off the counter of torch's parametrize module (given by the caller: the
+    hooks bind it), never below 0; the cache is emptied at 0. With nothing to take off, the counter is
+    neither read nor written."""
     if count <= 0:
         return
-    remaining = parametrize._cache_enabled - count
+    remaining = torch_parametrize._cache_enabled - count
     if remaining > 0:
-        parametrize._cache_enabled = remaining
+        torch_parametrize._cache_enabled = remaining
     else:
-        parametrize._cache_enabled = 0
-        parametrize._cache = {}
+        torch_parametrize._cache_enabled = 0
+        torch_parametrize._cache = {}

@@ -22,10 +22,13 @@ from bnb_gc_fix import ledger, lock
 #: its new pair).
 FIXED_PAIRS: dict[tuple[FunctionType, FunctionType], str] = {}
 
-#: The covered modules alive, by ``id``.
+#: The modules alive whose switch-ons the fix records, by ``id``: those it covered, and those it cannot
+#: cover (``_uncoverable``).
 _covered: dict[int, weakref.ref[Any]] = {}
 #: The modules alive that hold a fixed off hook but no fixed pre-hook (another tool put a function of its
-#: own in the place of the library's pre-hook): the fix cannot cover them, and they leak as without it.
+#: own in the place of the library's pre-hook, which calls the fixed one): the fix cannot fold their pairs
+#: or mark their off hooks, so an exception leaving their forward still leaves the cache on, until their
+#: next forward; their switch-ons are recorded all the same, so that an off hook gives back only its own.
 _uncoverable: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -43,8 +46,8 @@ def _off_hook_of(pre_hook: object) -> FunctionType:
 
 def cover(module: Any) -> bool:
     """Make the module hold one fixed pair, its off hook always called, in the places of its first fixed
-    pre-hook and its last fixed off hook (every other hook keeps its place); returns whether it holds such
-    a pair now. Never raises."""
+    pre-hook and its last fixed off hook (every other hook keeps its place); returns whether the fix
+    records its switch-ons now (it holds such a pair, or it cannot be covered). Never raises."""
     try:
         with lock.held():
             return _fold(module)
@@ -56,8 +59,7 @@ def _fold(module: Any) -> bool:
     pre_hooks = module._forward_pre_hooks
     pre_keys = [key for key, hook in pre_hooks.items() if _is_fixed_pre_hook(hook)]
     if not pre_keys:
-        _note_if_uncoverable(module)
-        return False
+        return _recorded_if_uncoverable(module)
     off_hooks = module._forward_hooks
     always = module._forward_hooks_always_called
     off_keys = [key for key, hook in off_hooks.items() if _is_fixed_off_hook(hook)]
@@ -72,17 +74,29 @@ def _fold(module: Any) -> bool:
         always[off_keys[-1]] = True
     else:
         module.register_forward_hook(_off_hook_of(pre_hooks[pre_keys[0]]), always_call=True)
-    key = id(module)
-    if key not in _covered:
-        _covered[key] = weakref.ref(module)
-        collected = weakref.finalize(module, _collected, key)
-        collected.atexit = False  # nothing for a module alive at exit, or collected as the interpreter ends
+    _record(module)
     return True
 
 
-def _note_if_uncoverable(module: Any) -> None:
-    if any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
-        _uncoverable.add(module)
+def _record(module: Any) -> None:
+    """Note the module as one whose switch-ons the fix records, once; its collection switches them off."""
+    key = id(module)
+    if key in _covered:
+        return
+    _covered[key] = weakref.ref(module)
+    collected = weakref.finalize(module, _collected, key)
+    collected.atexit = False  # nothing for a module alive at exit, or collected as the interpreter ends
+
+
+def _recorded_if_uncoverable(module: Any) -> bool:
+    """A module with no fixed pre-hook: where it holds a fixed off hook (another tool's pre-hook in the
+    place of the fixed one), record it; else it is nothing of the fix's (a direct call of the library's
+    hook function on a module of its own)."""
+    if not any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
+        return False
+    _uncoverable.add(module)
+    _record(module)
+    return True
 
 
 def _collected(key: int) -> None:
@@ -109,7 +123,7 @@ def _fixed_pairs_of(library_name: str) -> list[tuple[FunctionType, FunctionType]
 
 
 def number_covered(library_name: str) -> int:
-    """How many covered modules hold one of the library's fixed pre-hooks."""
+    """How many covered modules hold one of the library's fixed pre-hooks (never one it cannot cover)."""
     pre_hooks = [pre_hook for pre_hook, _ in _fixed_pairs_of(library_name)]
     return sum(
         any(hook is pre_hook for hook in module._forward_pre_hooks.values() for pre_hook in pre_hooks)

@@ -41,13 +41,13 @@ def pre_hook_code(
     _switch_off: Callable[[Any, int], None] = cache.switch_off,
 ) -> None:
     """The pre-hook: switch the cache on for the module on this thread, covering the module first if that
-    is still to do (where it cannot be, it adds 1 as the library's own pre-hook does). A switch-on made in a
-    torch.compile trace has ticket 0 (Dynamo would compile anew for each ticket): no notebook cell
-    switches it off; the module's next forward does."""
+    is still to do. Called on a module of no library's (the function called directly), it adds 1 as the
+    library's own pre-hook does. A switch-on made in a torch.compile trace has ticket 0 (Dynamo would
+    compile anew for each ticket): no notebook cell switches it off; the module's next forward does."""
     key = id(module)
     if key not in _covered:
-        covered = _cover(module)
-        if not covered:
+        recorded = _cover(module)
+        if not recorded:
             _P._cache_enabled += 1  # as the library's own hook does; its off hook takes it off the same way
             return
     switch_ons = _local.switch_ons

@@ -81,7 +81,7 @@ def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hook
         what = reading.registered(quantized, before, named)
     except Exception:  # hook dictionaries that do not look as torch's: the next module decides
         return
-    if decide is None or what.kind == reading.NOTHING:
+    if decide is None or what.kind == reading.Kind.NOTHING:
         return
     wrapper._self_decide = None
     decide(what)
@@ -89,11 +89,11 @@ def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hook
 
 def apply(pair: tuple[Any, Any], library: Library) -> None:
     """Give the library's pair of hook functions the fix's code, keeping their own signatures (once)."""
-    codes = (hooks.pre_hook_code, hooks.off_hook_code)
-    for function, fix in zip(pair, codes):
-        if function.__code__ is fix.__code__:
+    fixes = (hooks.pre_hook_code, hooks.off_hook_code)
+    for function, its_fix in zip(pair, fixes):
+        if function.__code__ is its_fix.__code__:
             continue
         function.__signature__ = inspect.signature(function)
-        function.__code__ = fix.__code__
-        function.__defaults__ = fix.__defaults__
+        function.__code__ = its_fix.__code__
+        function.__defaults__ = its_fix.__defaults__
     cover.FIXED_PAIRS[pair] = library.name

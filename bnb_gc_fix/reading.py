@@ -1,12 +1,13 @@
 """What a library's hooks do, read from what its code does, never from its version or the names of its hooks.
 
-Its register function is called on a throwaway module (one parameter, on the meta device), and what it
-registered there is read: a pre-hook and an off hook, and whether torch always calls the off hook. Where
-that call raises, the same reading is made on the first module the library itself quantizes
-(``bnb_gc_fix.patch``). The pair found is then run against a stand-in of torch's parametrize module, a copy
-of each function whose globals hold only the stand-in and a few pure builtins, to see whether it is the
-pair the fix can take the place of: the pre-hook adds 1 to the counter, the off hook takes 1 off and
-empties the cache at 0. Nothing of the process's own state is read or written by either step.
+Its register function is called on a throwaway module (an empty ``nn.Module``), and what it registered
+there is read: a pre-hook and an off hook, and whether torch always calls the off hook. Where that call
+raises, or where the register function quantizes too (axolotl's, never called at import), the same
+reading is made on the first module the library itself quantizes (``bnb_gc_fix.patch``). The pair found
+is then run against a stand-in of torch's parametrize module, a copy of each function whose globals hold
+only the stand-in and a few pure builtins, to see whether it is the pair the fix can take the place of:
+the pre-hook adds 1 to the counter, the off hook takes 1 off and empties the cache at 0. Nothing of the
+process's own state is read or written by either step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import builtins
 import functools
 from dataclasses import dataclass
+from enum import Enum
 from types import FunctionType
 from typing import Any
 
@@ -23,11 +25,15 @@ import torch.nn.utils.parametrize as P
 from _bnb_gc_fix import Library
 from bnb_gc_fix import hooks
 
-# What the library's register function was found to register.
-LEAKS = "leaks"  # a pre-hook and an off hook that torch skips when a forward raises
-ALWAYS_OFF = "always off"  # a pre-hook and an off hook that torch always calls (upstream's fix)
-NOTHING = "nothing"  # no forward hooks at all
-UNREADABLE = "unreadable"  # no register function, one that raised, or hooks that are not one pair
+
+class Kind(Enum):
+    """What the library's register function was found to register."""
+
+    LEAKS = "a pre-hook and an off hook that torch skips when a forward raises"
+    ALWAYS_OFF = "a pre-hook and an off hook that torch always calls (upstream's fix)"
+    NOTHING = "no forward hooks, or hooks that never switch the cache"
+    UNREADABLE = "no register function, one not read yet, or hooks it cannot read"
+
 
 #: The builtins a hook of the pair may use on the stand-in (bitsandbytes 0.50's clamp uses ``max``).
 _PURE_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min", "abs", "int", "bool")}
@@ -37,36 +43,37 @@ _PURE_BUILTINS = {name: getattr(builtins, name) for name in ("max", "min", "abs"
 class Reading:
     """What a library module's register function registers."""
 
-    kind: str  # LEAKS, ALWAYS_OFF, NOTHING or UNREADABLE
+    kind: Kind
     said: str  # what was found, for status(): "... registers a pair whose off hook ..."
-    pair: tuple[Any, Any] | None = None  # (pre-hook, off hook), for LEAKS and ALWAYS_OFF
+    pair: tuple[Any, Any] | None = None  # (pre-hook, off hook), where one was registered
     replaceable: bool = False  # plain functions doing what the fix's hooks do in their place (or the fix's)
-    raised: bool = False  # the register function raised on the throwaway module
+    deferred: bool = False  # to be read on the first module the library quantizes, not on a throwaway
 
     @property
     def leaks(self) -> bool | None:
         """Whether the hooks read leak this way (None: they could not be read)."""
-        return None if self.kind == UNREADABLE else self.kind == LEAKS
+        return None if self.kind == Kind.UNREADABLE else self.kind == Kind.LEAKS
 
     @property
     def always_off(self) -> bool:
         """Whether torch calls the off hook read even when a forward raises (upstream's fix)."""
-        return self.kind == ALWAYS_OFF
+        return self.kind == Kind.ALWAYS_OFF
 
 
 def read(library: Library, register: Any) -> Reading:
-    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module whose
-    one parameter lies on the meta device (a register function that quantizes it computes nothing)."""
+    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module, unless
+    it quantizes too: that one is read on the first module the library quantizes."""
     named = f"{library.module_name}.{library.register_name}()"
     if not callable(register):
-        return Reading(UNREADABLE, f"{library.module_name} has no {library.register_name}()")
+        return Reading(Kind.UNREADABLE, f"{library.module_name} has no {library.register_name}()")
+    if library.register_quantizes:
+        return Reading(Kind.UNREADABLE, f"{named} quantizes as it registers", deferred=True)
     throwaway = torch.nn.Module()
-    throwaway.weight = torch.nn.Parameter(torch.empty(1, 1, device="meta"), requires_grad=False)
     try:
         register(throwaway, "weight")
     except Exception as error:
         said = f"{named} raised {type(error).__name__} on a throwaway module"
-        return Reading(UNREADABLE, said, raised=True)
+        return Reading(Kind.UNREADABLE, said, deferred=True)
     try:
         return registered(throwaway, Hooks.none(), named)
     finally:
@@ -74,8 +81,8 @@ def read(library: Library, register: Any) -> Reading:
 
 
 def _let_it_hold_nothing(throwaway: Any) -> None:
-    """Empty the throwaway's hook dictionaries: until the collector frees it (a parametrized module is
-    garbage in a reference cycle), nothing counts it among the modules quantized here."""
+    """Empty the throwaway's hook dictionaries: until the collector frees it (in a reference cycle, where a
+    register function parametrizes it), nothing counts it among the modules quantized here."""
     throwaway._forward_pre_hooks.clear()
     throwaway._forward_hooks.clear()
     throwaway._forward_hooks_always_called.clear()
@@ -102,11 +109,11 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
     pre_keys = [key for key in module._forward_pre_hooks if key not in before.pre_hooks]
     off_keys = [key for key in module._forward_hooks if key not in before.off_hooks]
     if not pre_keys and not off_keys:
-        return Reading(NOTHING, f"{named} registers no forward hooks")
+        return Reading(Kind.NOTHING, f"{named} registers no forward hooks")
     with_kwargs = set(module._forward_pre_hooks_with_kwargs) | set(module._forward_hooks_with_kwargs)
     if len(pre_keys) != 1 or len(off_keys) != 1 or with_kwargs & {*pre_keys, *off_keys}:
         said = f"{named} registers {len(pre_keys)} pre-hooks and {len(off_keys)} forward hooks, not one pair"
-        return Reading(UNREADABLE, said)
+        return Reading(Kind.UNREADABLE, said)
     pair = (module._forward_pre_hooks[pre_keys[0]], module._forward_hooks[off_keys[0]])
     return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named)
 
@@ -114,19 +121,19 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
 def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Reading:
     """What a registered pair does, ``always_called`` where torch calls its off hook whatever happens."""
     if _is_the_fixs(pair):
-        return Reading(LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
+        return Reading(Kind.LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
     effect = _effect_on_a_stand_in(pair)
     replaceable = effect == SWITCHES and all(_plain_function(hook) for hook in pair)
     if always_called:
         said = f"{named} registers an off hook that torch calls even when a forward raises"
-        return Reading(ALWAYS_OFF, said, pair, replaceable)
+        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable)
     if effect == SWITCHES:
         said = f"{named} registers an off hook that torch skips when a forward raises"
-        return Reading(LEAKS, said, pair, replaceable)
+        return Reading(Kind.LEAKS, said, pair, replaceable)
     if effect == NEVER_SWITCHES:
-        return Reading(NOTHING, f"{named} registers forward hooks that never switch the cache", pair)
+        return Reading(Kind.NOTHING, f"{named} registers forward hooks that never switch the cache", pair)
     said = f"{named} registers forward hooks that bnb-gc-fix cannot read ({effect})"
-    return Reading(UNREADABLE, said, pair)
+    return Reading(Kind.UNREADABLE, said, pair)
 
 
 def _is_the_fixs(pair: tuple[Any, Any]) -> bool:

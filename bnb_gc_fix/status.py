@@ -208,7 +208,7 @@ def _without_the_fix(library: Library, why: str) -> _Found:
     return _Found(NOT_AFFECTED, said)
 
 
-def _leaks(decision: activation.Decision) -> bool | None:
+def _read_to_leak(decision: activation.Decision) -> bool | None:
     """Whether the library's hooks were read to leak this way (None: not read, or unreadable)."""
     return None if decision.reading is None else decision.reading.leaks
 
@@ -228,11 +228,11 @@ def _with_the_fix(library: Library, version: str, decision: activation.Decision)
     covered = cover.number_covered(library.name)
     if decision.late:  # quantized before the fix was in: each is covered at its next forward
         covered += census.leaking_modules(library.module_name)
-    checked = _cross_check(library, version, leaks=True) if _leaks(decision) else ""
+    checked = _cross_check(library, version, leaks=True) if _read_to_leak(decision) else ""
     if covered:
         quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer_name}"
         return _Found(PROTECTED, f"the fix covers {quantized}{checked}", covered=covered)
-    leaking_release = version if _leaks(decision) else None
+    leaking_release = version if _read_to_leak(decision) else None
     return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
 
 
@@ -250,6 +250,20 @@ def _not_needed(library: Library, version: str, decision: activation.Decision) -
     return _Found(NOT_AFFECTED, said)
 
 
+def _waiting(library: Library, decision: activation.Decision) -> _Found:
+    """Where the fix reads the library's register function on the first module it quantizes."""
+    reads = f"the fix reads what {library.register_name}() registers on the next module it quantizes, "
+    reads += f"and goes in there where it leaks ({_said(decision)})"
+    leaking = census.leaking_modules(library.module_name)
+    if leaking:
+        verb = "leaks" if leaking == 1 else "leak"
+        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer_name}"
+        return _Found(
+            UNPROTECTED, f"{quantized} {verb} this way, quantized before that: {reads}", leaking=leaking
+        )
+    return _Found(NOT_AFFECTED, f"{_nothing_quantized(library)}; {reads}")
+
+
 def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> str:
     """Why the fix is not in the library's code now, and what puts it in."""
     fix = activation.fix
@@ -265,8 +279,6 @@ def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> s
             f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
             "bnb_gc_fix.activate() puts the fix back in"
         )
-    if decision.outcome == activation.PENDING:
-        return f"{_said(decision)}; the next module it quantizes decides whether the fix goes in"
     if decision.why_not is not None:
         return f"the fix could not be put in: {decision.why_not}"
     return f"bnb-gc-fix cannot read what its hooks do: {_said(decision)}"
@@ -288,19 +300,26 @@ def _release_without_the_module(library: Library) -> bool:
     return package in sys.modules and not has_module(library.module_name)
 
 
-def _found(library: Library, version: str | None) -> _Found:
+def _not_imported(library: Library, version: str | None) -> _Found:
+    """Where the library, or its module, is not imported."""
     if version is None:
         return _Found(NOT_AFFECTED, f"{library.name} is not imported in this process")
-    if sys.modules.get(library.module_name) is None:
-        if _release_without_the_module(library):
-            return _Found(
-                NOT_AFFECTED, f"{library.name} {version} has no {library.module_name}: nothing of this leak"
-            )
-        return _Found(NOT_AFFECTED, _nothing_quantized(library))
+    if _release_without_the_module(library):
+        return _Found(
+            NOT_AFFECTED, f"{library.name} {version} has no {library.module_name}: nothing of this leak"
+        )
+    return _Found(NOT_AFFECTED, _nothing_quantized(library))
+
+
+def _found(library: Library, version: str | None) -> _Found:
+    if version is None or sys.modules.get(library.module_name) is None:
+        return _not_imported(library, version)
     decision = _decided_here(library)
-    if decision is not None and decision.outcome == activation.FIXED:
+    if decision is not None and decision.outcome == activation.Outcome.PENDING:
+        return _waiting(library, decision)
+    if decision is not None and decision.outcome == activation.Outcome.FIXED:
         return _with_the_fix(library, version, decision)
-    if decision is not None and decision.outcome == activation.NOT_NEEDED:
+    if decision is not None and decision.outcome == activation.Outcome.NOT_NEEDED:
         return _not_needed(library, version, decision)
     return _without_the_fix(library, _why_the_fix_is_not_in(library, activation.fix.decisions[library.name]))
 
@@ -309,8 +328,8 @@ def _library_status(library: Library) -> LibraryStatus:
     version = releases.version_of(library.name)
     found = _found(library, version)
     decision = _decided_here(library)
-    affected = None if decision is None else _leaks(decision)
-    fixed = decision is not None and decision.outcome == activation.FIXED
+    affected = None if decision is None else _read_to_leak(decision)
+    fixed = decision is not None and decision.outcome == activation.Outcome.FIXED
     return LibraryStatus(
         name=library.name,
         version=version,

@@ -132,7 +132,7 @@ def test_the_package_reads_the_installed_release() -> None:
     """What reading.py finds on the installed release: the leaking pair in the affected range, an
     always-called one after, either one the fix can take the place of."""
     assert fact("bitsandbytes", "read") == {
-        "kind": "leaks" if AFFECTED else "always off",
+        "kind": "LEAKS" if AFFECTED else "ALWAYS_OFF",
         "replaceable": True,
     }
 

@@ -197,6 +197,46 @@ def test_a_deep_copy_has_switch_ons_of_its_own() -> None:
     assert run_code(COPY, prelude="scenarios", switch=FIX).last_json == [1, 1, 1, 0]
 
 
+# Another tool wraps a covered module's pre-hook (a functools.partial of it), and the module is deep-copied
+# (an EMA or a teacher copy): the copy cannot be covered (its pre-hook is not the fixed function), and its
+# off hook keeps the original's mark. Its switch-ons are recorded all the same, so its forwards leave
+# nothing on (a second reviewer's finding: 3 after three forwards, 0 without the fix), and one that raises
+# leaves no more than the control's.
+WRAPPED_THEN_COPIED = """
+import copy, functools, torch
+import bnb_gc_fix, quantized
+module = quantized.make(params=1)
+x = torch.randn(2, 64)
+module(x)
+key = next(iter(module._forward_pre_hooks))
+module._forward_pre_hooks[key] = functools.partial(module._forward_pre_hooks[key])
+clone = copy.deepcopy(module)
+seen = {}
+for name, each in (("module", module), ("copy", clone)):
+    for _ in range(3):
+        each(x)
+    seen[name] = [quantized.counter()]
+    try:
+        each(x, fail=True)
+    except RuntimeError:
+        pass
+    seen[name].append(quantized.counter())
+    quantized.reset()
+fix = sys.modules.get("bnb_gc_fix")
+print(json.dumps({"seen": seen, "state": fix.status().state if fix.status().on else None}))
+"""
+
+
+def test_a_wrapped_pre_hook_and_a_copy_of_its_module_leave_no_more_than_the_control() -> None:
+    fixed = run_code(WRAPPED_THEN_COPIED, prelude="scenarios", switch=FIX).last_json
+    control = run_code(WRAPPED_THEN_COPIED, prelude="scenarios", switch="0").last_json
+    assert fixed["seen"] == {"module": [0, 0], "copy": [0, 0]}, fixed
+    for name in ("module", "copy"):
+        assert fixed["seen"][name][0] <= control["seen"][name][0] == 0  # normal forwards: nothing left on
+        assert fixed["seen"][name][1] <= control["seen"][name][1]
+    assert fixed["state"] == "unprotected"  # the copy cannot be covered, and status says so
+
+
 # Issue 46's finding 1: a server that quantizes a module per request and drops it ends with what it
 # started with: no record of the fix grows with the modules it has seen. Measured with tracemalloc after a
 # warm-up, beside the control (the fix off). What may differ is bounded by the modules alive at once, not

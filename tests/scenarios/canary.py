@@ -296,7 +296,7 @@ def _bitsandbytes() -> None:
         from bnb_gc_fix import reading
 
         found = reading.read(target, getattr(bnb, target.register_name))
-        return {"kind": found.kind, "replaceable": found.replaceable}
+        return {"kind": found.kind.name, "replaceable": found.replaceable}
 
     @fact("bitsandbytes", "forward_caches_the_dequantized_weight")
     def _forward_caches() -> Any:
