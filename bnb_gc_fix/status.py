@@ -196,13 +196,22 @@ def _cross_check(library: Library, version: str, leaks: bool) -> str:
     return f" ({library.name} {version} does not, though {releases_named} do)"
 
 
+def _quantized_here(library: Library, number: int) -> str:
+    """``3 modules quantized here with replace_parameter_4bit``."""
+    return f"{counted(number, 'module')} quantized here with {library.quantizer_name}"
+
+
+def _leak_this_way(library: Library, number: int) -> str:
+    """``3 modules quantized here with replace_parameter_4bit leak this way``."""
+    verb = "leaks" if number == 1 else "leak"
+    return f"{_quantized_here(library, number)} {verb} this way"
+
+
 def _without_the_fix(library: Library, why: str) -> _Found:
     """Where the fix is not in the library's code: the modules that leak decide the state."""
     leaking = census.leaking_modules(library.module_name)
     if leaking:
-        verb = "leaks" if leaking == 1 else "leak"
-        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer_name}"
-        return _Found(UNPROTECTED, f"{quantized} {verb} this way: {why}", leaking=leaking)
+        return _Found(UNPROTECTED, f"{_leak_this_way(library, leaking)}: {why}", leaking=leaking)
     said = f"no module quantized here with {library.quantizer_name} leaks this way now. Weights quantized "
     said += f"that way would run without the fix: {why}"
     return _Found(NOT_AFFECTED, said)
@@ -220,8 +229,7 @@ def _said(decision: activation.Decision) -> str:
 def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
     uncoverable = cover.number_uncoverable(library.name)
     if uncoverable:
-        quantized = f"{counted(uncoverable, 'module')} quantized here with {library.quantizer_name}"
-        said = f"{quantized} {'leaks' if uncoverable == 1 else 'leak'} this way: the fix is in "
+        said = f"{_leak_this_way(library, uncoverable)}: the fix is in "
         said += f"{possessive(library.name)} hooks, but another function stands in the place of its pre-hook "
         said += "there (another tool's), so the fix cannot cover them"
         return _Found(UNPROTECTED, said, leaking=uncoverable)
@@ -230,8 +238,9 @@ def _with_the_fix(library: Library, version: str, decision: activation.Decision)
         covered += census.leaking_modules(library.module_name)
     checked = _cross_check(library, version, leaks=True) if _read_to_leak(decision) else ""
     if covered:
-        quantized = f"{counted(covered, 'module')} quantized here with {library.quantizer_name}"
-        return _Found(PROTECTED, f"the fix covers {quantized}{checked}", covered=covered)
+        return _Found(
+            PROTECTED, f"the fix covers {_quantized_here(library, covered)}{checked}", covered=covered
+        )
     leaking_release = version if _read_to_leak(decision) else None
     return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
 
@@ -256,11 +265,8 @@ def _waiting(library: Library, decision: activation.Decision) -> _Found:
     reads += f"and goes in there where it leaks ({_said(decision)})"
     leaking = census.leaking_modules(library.module_name)
     if leaking:
-        verb = "leaks" if leaking == 1 else "leak"
-        quantized = f"{counted(leaking, 'module')} quantized here with {library.quantizer_name}"
-        return _Found(
-            UNPROTECTED, f"{quantized} {verb} this way, quantized before that: {reads}", leaking=leaking
-        )
+        said = f"{_leak_this_way(library, leaking)}, quantized before that: {reads}"
+        return _Found(UNPROTECTED, said, leaking=leaking)
     return _Found(NOT_AFFECTED, f"{_nothing_quantized(library)}; {reads}")
 
 
