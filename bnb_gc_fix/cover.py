@@ -22,14 +22,14 @@ from bnb_gc_fix import ledger, lock
 #: its new pair).
 FIXED_PAIRS: dict[tuple[FunctionType, FunctionType], str] = {}
 
-#: The modules alive whose switch-ons the fix records, by ``id``: those it covered, and those it cannot
-#: cover (``_uncoverable``).
+#: The covered modules alive, by ``id``: the pre-hook's fast path looks a module up here.
 _covered: dict[int, weakref.ref[Any]] = {}
-#: The modules alive that hold a fixed off hook but no fixed pre-hook (another tool put a function of its
-#: own in the place of the library's pre-hook, which calls the fixed one): the fix cannot fold their pairs
-#: or mark their off hooks, so an exception leaving their forward still leaves the cache on, until their
-#: next forward; their switch-ons are recorded all the same, so that an off hook gives back only its own.
-_uncoverable: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The modules alive that hold a fixed off hook but no fixed pre-hook, by ``id``: another tool put a
+#: function of its own in the place of the library's pre-hook, which calls the fixed one. The fix cannot
+#: fold their pairs or mark their off hooks, so an exception leaving their forward leaves the cache on, as
+#: without the fix; each call of the fixed pre-hook is recorded as a switch-on of its own, so that each off
+#: hook gives back only one of the module's own (``bnb_gc_fix.hooks``).
+_uncoverable: dict[int, weakref.ref[Any]] = {}
 
 
 def _is_fixed_pre_hook(hook: object) -> bool:
@@ -46,8 +46,11 @@ def _off_hook_of(pre_hook: object) -> FunctionType:
 
 def cover(module: Any) -> bool:
     """Make the module hold one fixed pair, its off hook always called, in the places of its first fixed
-    pre-hook and its last fixed off hook (every other hook keeps its place); returns whether the fix
-    records its switch-ons now (it holds such a pair, or it cannot be covered). Never raises."""
+    pre-hook and its last fixed off hook (every other hook keeps its place); returns whether it is covered
+    now. A module that holds a fixed off hook but no fixed pre-hook is noted as one the fix cannot cover,
+    once and for good. Never raises."""
+    if id(module) in _uncoverable:
+        return False
     try:
         with lock.held():
             return _fold(module)
@@ -59,7 +62,8 @@ def _fold(module: Any) -> bool:
     pre_hooks = module._forward_pre_hooks
     pre_keys = [key for key, hook in pre_hooks.items() if _is_fixed_pre_hook(hook)]
     if not pre_keys:
-        return _recorded_if_uncoverable(module)
+        _note_if_uncoverable(module)
+        return False
     off_hooks = module._forward_hooks
     always = module._forward_hooks_always_called
     off_keys = [key for key, hook in off_hooks.items() if _is_fixed_off_hook(hook)]
@@ -74,38 +78,37 @@ def _fold(module: Any) -> bool:
         always[off_keys[-1]] = True
     else:
         module.register_forward_hook(_off_hook_of(pre_hooks[pre_keys[0]]), always_call=True)
-    _record(module)
+    _record(module, _covered)
     return True
 
 
-def _record(module: Any) -> None:
-    """Note the module as one whose switch-ons the fix records, once; its collection switches them off."""
+def _record(module: Any, record: dict[int, weakref.ref[Any]]) -> None:
+    """Note the module in ``record`` (once); its collection drops it there and switches off every thread's
+    switch-ons for it."""
     key = id(module)
-    if key in _covered:
+    if key in record:
         return
-    _covered[key] = weakref.ref(module)
-    collected = weakref.finalize(module, _collected, key)
+    record[key] = weakref.ref(module)
+    collected = weakref.finalize(module, _collected, key, record)
     collected.atexit = False  # nothing for a module alive at exit, or collected as the interpreter ends
 
 
-def _recorded_if_uncoverable(module: Any) -> bool:
+def _note_if_uncoverable(module: Any) -> None:
     """A module with no fixed pre-hook: where it holds a fixed off hook (another tool's pre-hook in the
-    place of the fixed one), record it; else it is nothing of the fix's (a direct call of the library's
-    hook function on a module of its own)."""
-    if not any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
-        return False
-    _uncoverable.add(module)
-    _record(module)
-    return True
+    place of the fixed one), note it as one the fix cannot cover; else it is nothing of the fix's (a direct
+    call of the library's hook function on a module of its own)."""
+    if any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
+        _record(module, _uncoverable)
 
 
-def _collected(key: int) -> None:
-    _covered.pop(key, None)
-    ledger.module_collected(key)
+def _collected(key: int, record: dict[int, weakref.ref[Any]]) -> None:
+    ledger.module_collected(key)  # before its entry goes: a fork in between leaves nothing unrecorded
+    record.pop(key, None)
 
 
 def covered_ids() -> dict[int, weakref.ref[Any]]:
-    """The record itself, for the pre-hook to look a module up in (a dictionary lookup, no call)."""
+    """The record of covered modules itself, for the pre-hook to look a module up in (a dictionary lookup,
+    no call)."""
     return _covered
 
 
@@ -113,8 +116,17 @@ def is_covered(module: Any) -> bool:
     return id(module) in _covered
 
 
-def covered_modules() -> list[Any]:
-    modules = (ref() for ref in list(_covered.values()))
+def is_uncoverable(module: Any) -> bool:
+    return id(module) in _uncoverable
+
+
+def is_recorded(module: Any) -> bool:
+    """Whether the fix records the module's switch-ons: it is covered, or noted as one it cannot cover."""
+    return id(module) in _covered or id(module) in _uncoverable
+
+
+def _alive(record: dict[int, weakref.ref[Any]]) -> list[Any]:
+    modules = (ref() for ref in list(record.values()))
     return [module for module in modules if module is not None]
 
 
@@ -127,14 +139,14 @@ def number_covered(library_name: str) -> int:
     pre_hooks = [pre_hook for pre_hook, _ in _fixed_pairs_of(library_name)]
     return sum(
         any(hook is pre_hook for hook in module._forward_pre_hooks.values() for pre_hook in pre_hooks)
-        for module in covered_modules()
+        for module in _alive(_covered)
     )
 
 
 def number_uncoverable(library_name: str) -> int:
     """How many modules alive the fix could not cover hold one of the library's fixed off hooks."""
     off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
-    modules = list(_uncoverable)
+    modules = _alive(_uncoverable)
     return sum(
         any(hook is off_hook for hook in module._forward_hooks.values() for off_hook in off_hooks)
         for module in modules
@@ -142,10 +154,8 @@ def number_uncoverable(library_name: str) -> int:
 
 
 def off_hooks_all_plain(module: Any) -> bool:
-    """Whether none of the module's fixed off hooks is marked always called: then a forward that began
-    before the fix covered it took the library's own +1 at each of its pre-hooks, and each of its off hooks
-    gives one back as the library's would (torch calls a plain hook only after the forward returned). A
-    deep copy of a covered module keeps its mark, and gives nothing back that it did not take."""
+    """Whether none of the module's fixed off hooks is marked always called (a deep copy of a covered
+    module keeps its mark)."""
     always = getattr(module, "_forward_hooks_always_called", {})
     hooks = getattr(module, "_forward_hooks", {})
     return not any(key in always for key, hook in hooks.items() if _is_fixed_off_hook(hook))

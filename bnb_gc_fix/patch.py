@@ -2,9 +2,10 @@
 function covers each module it quantizes.
 
 The two hook functions keep their identity, so a pickle names them as before and every module that holds
-them, quantized before the fix turned on or after, runs the fix: what changes is their code (``__code__``
-and ``__defaults__``, which Python lets a program replace) for ``bnb_gc_fix.hooks``'s. Their
-``__signature__`` keeps the library's own, for ``inspect.signature`` and ``help()``. The register function
+them, quantized before the fix turned on or after, runs the fix: what changes is their code
+(``__code__``, ``__defaults__`` and ``__kwdefaults__``, which Python lets a program replace) for
+``bnb_gc_fix.hooks``'s. Their ``__signature__`` keeps the library's own, for ``inspect.signature`` and
+``help()``. The register function
 is wrapped (wrapt), so that each module it quantizes is covered at once. Nothing is ever put back: a
 process that must run the library's own code starts with ``BNB_GC_FIX=0``.
 """
@@ -95,5 +96,6 @@ def apply(pair: tuple[Any, Any], library: Library) -> None:
             continue
         function.__signature__ = inspect.signature(function)
         function.__code__ = its_fix.__code__
-        function.__defaults__ = its_fix.__defaults__
+        function.__defaults__ = its_fix.__defaults__  # None: every bound name is keyword-only
+        function.__kwdefaults__ = its_fix.__kwdefaults__
     cover.FIXED_PAIRS[pair] = library.name

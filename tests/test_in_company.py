@@ -237,6 +237,90 @@ def test_a_wrapped_pre_hook_and_a_copy_of_its_module_leave_no_more_than_the_cont
     assert fixed["state"] == "unprotected"  # the copy cannot be covered, and status says so
 
 
+# Issue 50's finding 1: a module of two quantized weights whose pre-hooks stand behind another tool's
+# function, one forward inside a P.cached() block: the counter inside the block after the forward, after
+# the block, and after one more forward. Each of the tool's functions calls the fixed pre-hook, and the
+# module cannot be covered, so each call is a switch-on of its own and each off hook gives back one of them:
+# never the block's (8dd19c6: [0, -1, 0], the block's count taken and the cache left on for good).
+# - "lambda": the tool replaces bitsandbytes' _enable_parametrization_cache with a lambda that calls it,
+#   before anything is quantized, the fix on from the start (the start-up hook);
+# - "wrapped": the tool wraps each pre-hook in the module's hook dictionary, in a process started with
+#   BNB_GC_FIX=0, then activate() (the control: no activate()).
+BEHIND_ANOTHER_TOOL = """
+import functools, os, torch
+import torch.nn.utils.parametrize as P
+from bitsandbytes.nn import parametrize
+import quantized
+tool, activate = sys.argv[1], sys.argv[2] == "activate"
+if tool == "lambda":
+    enable = parametrize._enable_parametrization_cache
+    parametrize._enable_parametrization_cache = lambda module, inputs: enable(module, inputs)
+module = quantized.make(params=2)
+if tool == "wrapped":
+    hooks = module._forward_pre_hooks
+    for key in list(hooks):
+        hooks[key] = functools.partial(hooks[key])
+if activate:
+    os.environ["BNB_GC_FIX"] = "auto"
+    import bnb_gc_fix
+    bnb_gc_fix.activate()
+x = torch.randn(2, 64)
+seen = []
+with P.cached():
+    module(x)
+    seen.append(quantized.counter())
+seen.append(quantized.counter())
+module(x)
+seen.append(quantized.counter())
+fix = sys.modules.get("bnb_gc_fix")
+print(json.dumps({"seen": seen, "state": fix.status().state if fix and fix.status().on else None}))
+"""
+
+BEHIND = {  # the tool, and how the fix is on: the fixed run's switch and activate(), the control's
+    "lambda": ((FIX, "start-up"), ("0", "start-up")),
+    "wrapped": (("0", "activate"), ("0", "no-activate")),
+}
+
+
+@pytest.mark.parametrize("tool", list(BEHIND))
+def test_a_module_behind_another_tools_pre_hooks_never_takes_a_p_cached_blocks_count(tool: str) -> None:
+    (switch, how), (control_switch, control_how) = BEHIND[tool]
+    fixed = run_code(BEHIND_ANOTHER_TOOL, tool, how, prelude="scenarios", switch=switch).last_json
+    control = run_code(BEHIND_ANOTHER_TOOL, tool, control_how, prelude="scenarios", switch=control_switch)
+    assert control.last_json["seen"] == [1, 0, 0]  # the block's own count, then nothing left on
+    assert fixed["seen"] == control.last_json["seen"], fixed
+    assert fixed["state"] == "unprotected"  # an exception leaving its forward leaves the cache on: said
+
+
+# Issue 50's finding 4: bitsandbytes' hook functions under the fix take the names they bind keyword-only,
+# so an argument too many fails as the library's own functions fail (8dd19c6: AttributeError, the extra
+# argument taken for torch's parametrize module).
+EXTRA_ARGUMENT = """
+import torch
+from bitsandbytes.nn import parametrize
+module = torch.nn.Module()
+calls = {
+    "pre-hook": (parametrize._enable_parametrization_cache, (module, (), "one too many")),
+    "off hook": (parametrize._disable_parametrization_cache, (module, (), None, "one too many")),
+}
+raised = {}
+for name, (function, arguments) in calls.items():
+    try:
+        function(*arguments)
+        raised[name] = None
+    except Exception as error:
+        raised[name] = type(error).__name__
+print(json.dumps({"raised": raised, "counter": int(torch.nn.utils.parametrize._cache_enabled)}))
+"""
+
+
+def test_an_argument_too_many_fails_as_the_librarys_own_hook_functions_fail() -> None:
+    fixed = run_code(EXTRA_ARGUMENT, prelude="scenarios", switch=FIX).last_json
+    control = run_code(EXTRA_ARGUMENT, prelude="scenarios", switch="0").last_json
+    assert control == {"raised": {"pre-hook": "TypeError", "off hook": "TypeError"}, "counter": 0}
+    assert fixed == control
+
+
 # Issue 46's finding 1: a server that quantizes a module per request and drops it ends with what it
 # started with: no record of the fix grows with the modules it has seen. Measured with tracemalloc after a
 # warm-up, beside the control (the fix off). What may differ is bounded by the modules alive at once, not

@@ -234,22 +234,22 @@ def _bitsandbytes() -> None:
 
     @fact("bitsandbytes", "code_replaced_in_place")
     def _code_replaced() -> Any:
-        """A hook function given other code (``__code__``, ``__defaults__``) keeps its identity, and a
+        """A hook function given other code (``__code__``, ``__kwdefaults__``) keeps its identity, and a
         module holding it runs the new code (Python's data model; checked on this interpreter)."""
         enable = _pre_hook()
-        own = (enable.__code__, enable.__defaults__)
+        own = (enable.__code__, enable.__kwdefaults__)
         calls: list[str] = []
 
-        def other(module: Any, inputs: Any, record: Any = calls.append) -> None:
+        def other(module: Any, inputs: Any, *, record: Any = calls.append) -> None:
             record("other")
 
         module = nn.Linear(2, 2)
         module.register_forward_pre_hook(enable)
         try:
-            enable.__code__, enable.__defaults__ = other.__code__, other.__defaults__
+            enable.__code__, enable.__kwdefaults__ = other.__code__, other.__kwdefaults__
             module(torch.zeros(2))
         finally:
-            enable.__code__, enable.__defaults__ = own
+            enable.__code__, enable.__kwdefaults__ = own
         return {"ran": calls, "same_object": _pre_hook() is enable, "counter": P._cache_enabled}
 
     @fact("bitsandbytes", "registered_pair")
