@@ -13,7 +13,10 @@ environment; each runs the whole story once (module-scoped), and the tests read 
    that block still open, the interrupted cell of step 1 again: the cell's end switches off what its
    forward left, and says that the cache is still on (the open block keeps it on);
 5. a failing cell again, after ``activate()`` again (the fixed rows), or an explicit ``import bnb_gc_fix``
-   and ``activate()`` under ``BNB_GC_FIX=0`` (the controls).
+   and ``activate()`` under ``BNB_GC_FIX=0`` (the controls);
+6. (0.49.2, package on and its control) cells that run a cell: one that runs a cell with
+   ``get_ipython().run_cell(...)``, then the interrupted forward of step 1 after it; and a ``%%capture``
+   cell whose captured body is the interrupted forward of step 1.
 
 The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
 On bitsandbytes 0.50.2 in auto mode the package steps aside: what a Ctrl-C leaves on in upstream's pair
@@ -136,6 +139,9 @@ import torch.nn.utils.parametrize as P
 from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
 
+SHOWN = sys.stdout  # the kernel's stream: %%capture replaces sys.stdout, never this one
+
+
 class Slow(nn.Module):
     def __init__(self):
         super().__init__()
@@ -145,7 +151,7 @@ class Slow(nn.Module):
     def forward(self, x):
         w = self.weight  # dequantized, and cached while the cache is switched on
         if self.seconds:
-            print("forward started", flush=True)
+            print("forward started", file=SHOWN, flush=True)
             end = time.monotonic() + self.seconds
             while time.monotonic() < end:
                 pass
@@ -185,6 +191,19 @@ B(x)
 raise ValueError("an ordinary error in the cell")
 """
 
+# A cell that runs a cell (a clean forward), then is interrupted inside a forward after that cell ended.
+RUNS_A_CELL = """
+get_ipython().run_cell("A.seconds = 0.0; A(x)")
+A.seconds = 3.0
+A(x)
+"""
+
+# A cell whose body %%capture runs as a cell of its own, with its output captured.
+CAPTURED = """%%capture
+A.seconds = 3.0
+A(x)
+"""
+
 HELD_ON_PURPOSE = """
 held = P.cached()
 held.__enter__()  # held across cells on purpose: no exception
@@ -211,9 +230,14 @@ class Story:
     release_after: bool | None = None
     late_error_cell: Cell | None = None
     after_late_error: list[int] | None = None
+    # Cells that run a cell (0.49.2, package on and its control): run_cell(...), then %%capture.
+    runs_a_cell: Cell | None = None
+    after_runs_a_cell: list[int] | None = None
+    captured: Cell | None = None
+    after_captured: list[int] | None = None
 
 
-def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
+def _story(tmp: Path, env: dict[str, str], held: bool, nested: bool) -> Story:
     kernel = Kernel(tmp, env)  # fresh: a real kernel, interrupted by a real SIGINT
     try:
         setup = kernel.run(SETUP)
@@ -228,6 +252,11 @@ def _story(tmp: Path, env: dict[str, str], held: bool) -> Story:
         after_error = kernel.run("state()").state()
         kernel.run("opened.pop().__exit__(None, None, None); bnb_gc_fix.reset()")  # the block opened by hand
         story = Story(info, interrupted, next_cell, after_a, after_b, error_cell, after_error)
+        if nested:
+            story.runs_a_cell = kernel.run(RUNS_A_CELL, interrupt_after="forward started", delay=1.0)
+            story.after_runs_a_cell = kernel.run("state(); bnb_gc_fix.reset()").state()
+            story.captured = kernel.run(CAPTURED, interrupt_after="forward started", delay=1.0)
+            story.after_captured = kernel.run("state(); bnb_gc_fix.reset()").state()
         if held:
             story.held = kernel.run(HELD_ON_PURPOSE)
             story.after_held = kernel.run("state()").state()
@@ -259,6 +288,8 @@ CONTROLS = [row for row, (_, switch) in ROWS.items() if switch == "0"]
 FIXED = [row for row in ROWS if row not in CONTROLS]
 # Where the fix is in bitsandbytes' hooks (0.49.2, or force): what a Ctrl-C leaves on is the fix's.
 GATED = [row for row in FIXED if row != "0.50.2 auto"]
+# Where cells that run a cell are run: the fix on bitsandbytes 0.49.2, and its control.
+NESTED = ["0.49.2 on", "0.49.2 BNB_GC_FIX=0"]
 
 _stories: dict[str, Story] = {}
 
@@ -278,7 +309,7 @@ def story(request: pytest.FixtureRequest, stories: dict[str, Story]) -> Story:
         extra = {"PYTHONPATH": str(request.getfixturevalue("bnb_050"))} if version == VERSION_050 else {}
         env = environment(switch, **extra)
         tmp = Path(request.getfixturevalue("tmp_path_factory").mktemp("kernel"))
-        stories[row] = _story(tmp, env, held=row == "0.49.2 on")
+        stories[row] = _story(tmp, env, held=row == "0.49.2 on", nested=row in NESTED)
         assert stories[row].info["bitsandbytes"] == version
     return stories[row]
 
@@ -390,3 +421,42 @@ def test_activate_again_keeps_one_release(story: Story) -> None:
     assert story.release_after is True
     assert story.after_late_error == [1, 16384]  # a block opened by hand: pointed out, not switched off
     assert story.late_error_cell is not None and len(story.late_error_cell.ours()) == 1  # registered once
+
+
+def _released_and_reported(cell: Cell | None, after: list[int] | None) -> None:
+    """The interrupted forward's switch-on was switched off by the cell's end, and the cell says so."""
+    assert cell is not None
+    _landed_in_forward(cell)
+    assert after == [0, 0]
+    (line,) = cell.ours()
+    assert line.startswith("bnb_gc_fix: this cell left the cache switched on. ")
+    assert "1 forward in this cell switched the cache on and stopped before switching it off" in line
+    assert "The cache is off and empty now (16384 bytes were cached)." in line
+
+
+def _left_on_and_silent(cell: Cell | None, after: list[int] | None) -> None:
+    """The control: the interrupted forward leaves the cache on, and nothing is reported."""
+    assert cell is not None
+    _landed_in_forward(cell)
+    assert after == [1, 16384]
+    assert cell.ours() == []
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_cell_interrupted_after_running_a_cell_is_released_at_its_end(story: Story) -> None:
+    _released_and_reported(story.runs_a_cell, story.after_runs_a_cell)
+
+
+@pytest.mark.parametrize("story", ["0.49.2 BNB_GC_FIX=0"], indirect=True)
+def test_control_a_cell_interrupted_after_running_a_cell_stays_on(story: Story) -> None:
+    _left_on_and_silent(story.runs_a_cell, story.after_runs_a_cell)
+
+
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_captured_cell_interrupted_is_released_and_reported_past_the_capture(story: Story) -> None:
+    _released_and_reported(story.captured, story.after_captured)
+
+
+@pytest.mark.parametrize("story", ["0.49.2 BNB_GC_FIX=0"], indirect=True)
+def test_control_a_captured_cell_interrupted_stays_on(story: Story) -> None:
+    _left_on_and_silent(story.captured, story.after_captured)
