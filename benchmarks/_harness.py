@@ -237,6 +237,36 @@ def _disable_parametrization_cache(module, inputs, output):
 """
 
 
+#: bitsandbytes 0.49.2's two hooks (the leaking pair), verbatim but for comments and annotations.
+PLAIN_HOOKS = """
+def _disable_parametrization_cache(module, inputs, output):
+    P._cache_enabled -= 1
+    if not P._cache_enabled:
+        P._cache = {}
+
+def _enable_parametrization_cache(module, inputs):
+    P._cache_enabled += 1
+"""
+
+
+def plain_register() -> Callable[[Any, str], None]:
+    """bitsandbytes 0.49.2's own pair, as a fresh copy of its module would register it: its two hooks
+    (``PLAIN_HOOKS``, compiled in the installed module's namespace, functions the fix never sees, so it is
+    not in them), the disable hook plain."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+
+    hooks: dict[str, Any] = {}
+    exec(PLAIN_HOOKS, vars(bnb_parametrize), hooks)
+    enable = hooks["_enable_parametrization_cache"]
+    disable = hooks["_disable_parametrization_cache"]
+
+    def _register_parametrization_hooks(module: Any, param_name: str) -> None:
+        module.register_forward_pre_hook(enable)
+        module.register_forward_hook(disable)
+
+    return _register_parametrization_hooks
+
+
 def upstream_register() -> Callable[[Any, str], None]:
     """bitsandbytes 0.50's ``_register_parametrization_hooks`` on the installed bitsandbytes: its two hooks
     (``UPSTREAM_HOOKS``, compiled in the installed module's namespace, so they read ``P`` as 0.50's do), the

@@ -1,7 +1,10 @@
 """Hot-path benchmark: what a forward of a MoE experts module (two parameters quantized by
 ``replace_parameter_4bit``) costs with the fix, against bitsandbytes 0.50's own always-called pairs on the
 same module, a second 0.50 module being the noise floor. Three cases: the hook bodies called directly, a
-real 4-bit forward on one thread, the same module served from 8 threads (benchmarks/README.md, "Hot path").
+real 4-bit forward on one thread, the same module served from 8 threads. Two more on small modules, where
+the hooks weigh most, against bitsandbytes 0.49.2's own plain pair (a fresh copy of its functions, which
+the fix never sees), a second such module being the noise floor: the hooks alone on an ``nn.Linear(8,
+8)``, and a module of two quantized 4x64x64 weights (benchmarks/README.md, "Hot path").
 
     python benchmarks/hotpath.py            # results/hotpath.md
     python benchmarks/hotpath.py --quick    # 5 rounds of fewer calls (smoke run, results/tmp/)
@@ -26,10 +29,13 @@ import _harness as harness
 BASELINE = "bnb 0.50 pairs"
 FIX = "bnb-gc-fix"
 FLOOR = "bnb 0.50 pairs, a second module"
+PLAIN = "bnb 0.49.2 pairs"
+PLAIN_FLOOR = "bnb 0.49.2 pairs, a second module"
 #: The hooks each module carries once quantized: (pre-hooks, forward hooks, always-called ones).
-HOOKS = {BASELINE: (2, 2, 2), FIX: (1, 1, 1), FLOOR: (2, 2, 2)}
+HOOKS = {BASELINE: (2, 2, 2), FIX: (1, 1, 1), FLOOR: (2, 2, 2), PLAIN: (2, 2, 0), PLAIN_FLOOR: (2, 2, 0)}
 NAMES = ("gate_up_proj", "down_proj")  # transformers 5's fused experts
 EXPERTS, HIDDEN, INTERMEDIATE, TOKENS, THREADS = 8, 64, 64, 8, 8
+SMALL = (4, 64, 64)  # the small module's two quantized weights
 
 
 def registers() -> dict[str, Callable[..., None] | None]:
@@ -39,11 +45,12 @@ def registers() -> dict[str, Callable[..., None] | None]:
     import bitsandbytes.nn.parametrize  # noqa: F401 (before the fix is on: bitsandbytes' own code)
 
     upstream = harness.upstream_register()  # copies of bitsandbytes' functions, made before the fix is in
+    plain = harness.plain_register()
     os.environ["BNB_GC_FIX"] = "auto"
     import bnb_gc_fix
 
     assert bnb_gc_fix.activate().libraries[0].fixed
-    return {BASELINE: upstream, FIX: None, FLOOR: upstream}
+    return {BASELINE: upstream, FIX: None, FLOOR: upstream, PLAIN: plain, PLAIN_FLOOR: plain}
 
 
 @contextlib.contextmanager
@@ -95,19 +102,60 @@ def experts_module(name: str, register: Callable[..., None] | None) -> Any:
 
 def experts_modules(registers_: dict[str, Callable[..., None] | None]) -> dict[str, Any]:
     """One experts module per configuration, their outputs checked equal."""
+    return _checked_equal({name: experts_module(name, register) for name, register in registers_.items()})
+
+
+def _checked_equal(modules: dict[str, Any], width: int = HIDDEN) -> dict[str, Any]:
+    """``modules``, once their outputs on the same tokens are equal."""
     import torch
 
-    modules = {name: experts_module(name, register) for name, register in registers_.items()}
     with torch.no_grad():
-        outputs = [module(tokens()) for module in modules.values()]
+        outputs = [module(tokens(width)) for module in modules.values()]
     assert all(torch.equal(outputs[0], output) for output in outputs)
     return modules
 
 
-def tokens() -> Any:
+def small_modules(registers_: dict[str, Callable[..., None] | None]) -> dict[str, dict[str, Any]]:
+    """For each small case, a module per configuration (the fix, 0.49.2's pairs, a second such module):
+    an ``nn.Linear(8, 8)`` with one pair registered on it (the hooks alone), and a module of two quantized
+    ``SMALL`` weights."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
     import torch
 
-    return torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
+    from bnb_gc_fix import cover
+
+    class TwoWeights(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(0)
+            self.w0 = torch.nn.Parameter(torch.randn(*SMALL, generator=generator) * 0.05)
+            self.w1 = torch.nn.Parameter(torch.randn(*SMALL, generator=generator) * 0.05)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = torch.einsum("th,eoh->to", x, self.w0)
+            return torch.einsum("th,eoh->to", y, self.w1)
+
+    names = (FIX, PLAIN, PLAIN_FLOOR)
+    linears, pairs = {}, {}
+    for name in names:
+        with registering(registers_[name]):
+            torch.manual_seed(0)
+            linears[name] = torch.nn.Linear(8, 8)
+            bnb_parametrize._register_parametrization_hooks(linears[name], "weight")
+            pairs[name] = TwoWeights()
+            for parameter in ("w0", "w1"):
+                bnb_parametrize.replace_parameter_4bit(pairs[name], parameter, quant_type="nf4")
+        assert cover.is_covered(linears[name]) is cover.is_covered(pairs[name]) is (name == FIX), name
+    return {
+        "linear": _checked_equal({name: module.requires_grad_(False) for name, module in linears.items()}, 8),
+        "two weights": _checked_equal({name: module.requires_grad_(False) for name, module in pairs.items()}),
+    }
+
+
+def tokens(width: int = HIDDEN) -> Any:
+    import torch
+
+    return torch.randn(TOKENS, width, generator=torch.Generator().manual_seed(1))
 
 
 def hook_bodies(module: Any) -> Callable[[], None]:
@@ -126,11 +174,11 @@ def hook_bodies(module: Any) -> Callable[[], None]:
     return call
 
 
-def forward(module: Any) -> Callable[[], Any]:
-    """A no-grad 4-bit forward of ``module`` (both parameters dequantized)."""
+def forward(module: Any, width: int = HIDDEN) -> Callable[[], Any]:
+    """A no-grad forward of ``module`` (a quantized one's parameters dequantized)."""
     import torch
 
-    x = tokens()
+    x = tokens(width)
 
     def call() -> Any:
         with torch.no_grad():
@@ -177,13 +225,20 @@ class Pool:
 
 
 def case(
-    title: str, configs: dict[str, harness.Timed], calls: int, rounds: int, unit: str = "calls"
+    title: str,
+    configs: dict[str, harness.Timed],
+    calls: int,
+    rounds: int,
+    unit: str = "calls",
+    against: tuple[str, str] = (BASELINE, FLOOR),
 ) -> dict[str, Any]:
     """Time a case in blocks of ``calls`` calls; its record: every configuration's median ns per call, and
-    the fix against the 0.50 pairs beside the noise floor."""
+    the fix against ``against``'s baseline beside its noise floor (the same pairs on a second module)."""
+    baseline, floor = against
     by_round = harness.blocks(configs, calls, rounds)
-    found = harness.compare(by_round[FIX], by_round[BASELINE], by_round[FLOOR])
+    found = harness.compare(by_round[FIX], by_round[baseline], by_round[floor])
     found["title"] = f"{title} ({rounds} rounds x {calls:,} {unit})"
+    found["baseline"] = baseline
     found["median_ns"] = {name: harness.Spread.of(values).median for name, values in by_round.items()}
     found["ns_by_round"] = by_round
     return found
@@ -202,13 +257,15 @@ def served(modules: dict[str, Any], calls: int, rounds: int) -> dict[str, Any]:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    header = ["case", "0.50 pairs", "bnb-gc-fix", "bnb-gc-fix / 0.50 pairs", "noise floor", "result"]
+    header = ["case", "against", "it", "bnb-gc-fix", "bnb-gc-fix / it", "noise floor", "result"]
     rows = []
     for found in result["cases"]:
+        baseline = found["baseline"]
         rows.append(
             [
                 found["title"],
-                f"{found['median_ns'][BASELINE] / 1e3:.3f} µs",
+                baseline,
+                f"{found['median_ns'][baseline] / 1e3:.3f} µs",
                 f"{found['median_ns'][FIX] / 1e3:.3f} µs",
                 harness.Spread(**found["ratio"]).text(),
                 harness.Spread(**found["noise_floor"]).text(),
@@ -239,13 +296,21 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # bitsandbytes' CPU backend, every call
     torch.set_num_threads(1)
     machine = harness.machine()
-    modules = experts_modules(registers())
+    registers_ = registers()
+    big = {name: registers_[name] for name in (BASELINE, FIX, FLOOR)}
+    modules = experts_modules(big)
     bodies = {name: harness.loop(hook_bodies(module)) for name, module in modules.items()}
     forwards = {name: harness.loop(forward(module)) for name, module in modules.items()}
+    small = small_modules(registers_)
+    linears = {name: harness.loop(forward(module, 8)) for name, module in small["linear"].items()}
+    pairs = {name: harness.loop(forward(module)) for name, module in small["two weights"].items()}
+    plain = (PLAIN, PLAIN_FLOOR)
     cases = [
         case("a. hook bodies called directly", bodies, 10000 // scale, rounds),
         case("b. a real 4-bit forward, 1 thread", forwards, 200 // scale, rounds),
         served(modules, 40 // scale, rounds),
+        case("d. the hooks alone on an nn.Linear(8, 8)", linears, 5000 // scale, rounds, against=plain),
+        case("e. two quantized 4x64x64 weights, 1 thread", pairs, 1000 // scale, rounds, against=plain),
     ]
     result = {"benchmark": "hotpath", "machine": machine, "cases": cases}
     name = "hotpath-quick" if args.quick else "hotpath"

@@ -1,7 +1,7 @@
 """Run every benchmark, one after the other, each in its own interpreter (so the start-up hook and the
 ``BNB_GC_FIX`` switch behave as they do for users). Never run it beside other work if the timings matter.
 
-    python benchmarks/run_all.py            # memory, hotpath, startup: a few minutes on 2 CPU cores
+    python benchmarks/run_all.py            # memory, hotpath, startup, status_cost: minutes on 2 CPU cores
     python benchmarks/run_all.py --quick    # smoke runs, every script, the GPU ones on the CPU (results/tmp/)
     python benchmarks/run_all.py --gpu      # also gpu.py and olmoe_full.py --device cuda (needs a GPU)
 """
@@ -22,10 +22,11 @@ def commands(quick: bool, gpu: bool) -> list[list[str]]:
             ["memory.py", "--quick"],
             ["hotpath.py", "--quick"],
             ["startup.py", "--quick"],
+            ["status_cost.py", "--quick"],
             ["gpu.py", "--device", "cpu"],
             ["olmoe_full.py", "--smoke", "--seq", "32"],
         ]
-    found = [["memory.py"], ["hotpath.py"], ["startup.py"]]
+    found = [["memory.py"], ["hotpath.py"], ["startup.py"], ["status_cost.py"]]
     if gpu:
         found += [["gpu.py"], ["olmoe_full.py", "--device", "cuda"]]
     return found

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import _bnb_gc_fix as startup
 from _bnb_gc_fix import LIBRARIES, Library
-from bnb_gc_fix import lock
+from bnb_gc_fix import census, lock
 from bnb_gc_fix.lines import message
 from bnb_gc_fix.releases import MIN_TORCH, release, version_of
 from bnb_gc_fix.warning import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly
@@ -51,7 +51,6 @@ class Decision:
     why_not: str | None = (
         None  # for CANNOT_FIX (and force on an unreadable one): the reason the user must hear
     )
-    late: bool = False  # its module was imported before the fix was on: modules may predate the fix
     warned: bool = False
 
 
@@ -214,10 +213,11 @@ def activate(via: str = ACTIVATE) -> None:
             startup.watch()
             for library in LIBRARIES:
                 module = _imported_whole(library)
-                if module is not None:
-                    decision = fix.decisions[library.name]
-                    decision.late = decision.late or decision.module is None  # imported before the fix
-                    _decide(library, module)
+                if module is None:
+                    continue
+                if fix.decisions[library.name].module is None:  # imported before the fix was on
+                    census.note_the_leaking(library.module_name)  # once: status() looks them up
+                _decide(library, module)
     except Exception as error:  # never into the user's import
         said = message("bnb-gc-fix could not turn on:", f"{type(error).__name__}: {error}")
         warn_quietly(said, PatchSkippedWarning)
@@ -233,7 +233,6 @@ def imported(name: str) -> None:
     try:
         with lock.held():
             if fix.turned_on_by is not None:
-                fix.decisions[library.name].late = False
                 _decide(library, module)
     except Exception as error:
         said = message(f"bnb-gc-fix could not put its fix into {name}:", f"{type(error).__name__}: {error}")

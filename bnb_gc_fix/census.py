@@ -2,10 +2,12 @@
 
 A module leaks this way when it holds an off hook of a library's module (a forward hook defined there)
 that torch does not always call: what a library that leaks registers, and what the fix's cover changes.
-Only ``status()`` counts them, where the fix is not in a library's code or the library was imported
-before the fix turned on. It reads every object Python's collector tracks (about 0.1-0.2 µs each: tens
-of milliseconds to a second in a large process); a training step never does. A module awaiting collection
-(garbage in a reference cycle) counts as alive until the collector frees it.
+Finding them means reading every object Python's collector tracks (about 0.1-0.2 µs each: tens of
+milliseconds to a second in a large process). ``status()`` does that only where the fix does not see the
+modules quantized (the fix off, its hooks not fixable, a library module imported where it could not see
+it). Where the fix turns on after a library's module was imported, the modules quantized before are read
+once, then and there, and noted: ``status()`` looks them up. A module awaiting collection (garbage in a
+reference cycle) counts as alive until the collector frees it.
 """
 
 from __future__ import annotations
@@ -13,17 +15,51 @@ from __future__ import annotations
 import functools
 import gc
 import sys
+import weakref
 from typing import Any
 
+#: The modules noted at a late activation, by the name of the library module whose plain off hook they
+#: held, then by ``id``: an entry goes when its module is collected.
+_noted: dict[str, dict[int, weakref.ref[Any]]] = {}
 
-def leaking_modules(module_name: str) -> int:
-    """How many modules alive hold an off hook defined in ``module_name`` that torch does not always call.
-    An object whose hooks cannot be read is left out."""
+
+def leaking_modules(module_name: str, modules: list[Any] | None = None) -> int:
+    """How many of ``modules`` (None: every module alive) hold an off hook defined in ``module_name`` that
+    torch does not always call. An object whose hooks cannot be read is left out."""
+    if modules is None:
+        modules = _every_module()
+    return sum(_leaks(module, module_name) for module in modules)
+
+
+def note_the_leaking(module_name: str) -> None:
+    """Note the modules alive that leak through ``module_name``'s hooks (a read of every object)."""
+    noted = _noted.setdefault(module_name, {})
+    for module in _every_module():
+        if _leaks(module, module_name):
+            _note(noted, module)
+
+
+def noted(module_name: str) -> list[Any]:
+    """The modules noted for ``module_name`` that are alive."""
+    modules = (ref() for ref in list(_noted.get(module_name, {}).values()))
+    return [module for module in modules if module is not None]
+
+
+def _note(noted: dict[int, weakref.ref[Any]], module: Any) -> None:
+    key = id(module)
+
+    def forget(ref: weakref.ref[Any]) -> None:  # the module was collected
+        if noted.get(key) is ref:
+            del noted[key]
+
+    noted[key] = weakref.ref(module, forget)
+
+
+def _every_module() -> list[Any]:
     module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
     if module_type is None:
-        return 0
-    modules = [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read
-    return sum(_leaks(module, module_name) for module in modules)
+        return []
+    return [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read
 
 
 def _defined_in(hook: Any) -> str | None:

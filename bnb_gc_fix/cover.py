@@ -153,6 +153,19 @@ def number_uncoverable(library_name: str) -> int:
     )
 
 
+def number_awaiting(library_name: str, modules: list[Any]) -> int:
+    """How many of ``modules`` hold a plain one of the library's fixed off hooks and are not recorded: the
+    fix went into their hooks after they were quantized, and covers each at its next forward."""
+    off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
+    return sum(not is_recorded(module) and _holds_plain(module, off_hooks) for module in modules)
+
+
+def _holds_plain(module: Any, off_hooks: list[FunctionType]) -> bool:
+    always = module._forward_hooks_always_called
+    held = [hook for key, hook in module._forward_hooks.items() if key not in always]
+    return any(hook is off_hook for hook in held for off_hook in off_hooks)
+
+
 def off_hooks_all_plain(module: Any) -> bool:
     """Whether none of the module's fixed off hooks is marked always called (a deep copy of a covered
     module keeps its mark)."""

@@ -36,6 +36,7 @@ class LibraryStatus:
     state: str  # one of STATES
     reason: str  # why, and what to do, in a sentence
     covered: int  # the modules quantized with it that the fix covers
+    at_next_forward: int  # those quantized with it before the fix went in: it covers each at its next forward
     leaking: int  # the modules quantized with it that run without the fix and leak this way
 
 
@@ -170,6 +171,7 @@ class _Found(NamedTuple):
     state: str
     reason: str
     covered: int = 0
+    at_next_forward: int = 0
     leaking: int = 0
 
 
@@ -207,6 +209,18 @@ def _leak_this_way(library: Library, number: int) -> str:
     return f"{_quantized_here(library, number)} {verb} this way"
 
 
+def _covering(library: Library, covered: int, at_next_forward: int) -> str:
+    """``the fix covers 3 modules quantized here with replace_parameter_4bit``, and those it covers at their
+    next forward (quantized before it was on)."""
+    if not at_next_forward:
+        return f"the fix covers {_quantized_here(library, covered)}"
+    later = "at their next forward" if at_next_forward > 1 else "at its next forward"
+    before = "(quantized before it was on)"
+    if not covered:
+        return f"the fix covers {_quantized_here(library, at_next_forward)} {later} {before}"
+    return f"the fix covers {_quantized_here(library, covered)}, and {at_next_forward} more {later} {before}"
+
+
 def _without_the_fix(library: Library, why: str) -> _Found:
     """Where the fix is not in the library's code: the modules that leak decide the state."""
     leaking = census.leaking_modules(library.module_name)
@@ -234,13 +248,11 @@ def _with_the_fix(library: Library, version: str, decision: activation.Decision)
         said += "there (another tool's), so the fix cannot cover them"
         return _Found(UNPROTECTED, said, leaking=uncoverable)
     covered = cover.number_covered(library.name)
-    if decision.late:  # quantized before the fix was in: each is covered at its next forward
-        covered += census.leaking_modules(library.module_name)
+    at_next_forward = cover.number_awaiting(library.name, census.noted(library.module_name))
     checked = _cross_check(library, version, leaks=True) if _read_to_leak(decision) else ""
-    if covered:
-        return _Found(
-            PROTECTED, f"the fix covers {_quantized_here(library, covered)}{checked}", covered=covered
-        )
+    if covered or at_next_forward:
+        said = f"{_covering(library, covered, at_next_forward)}{checked}"
+        return _Found(PROTECTED, said, covered=covered, at_next_forward=at_next_forward)
     leaking_release = version if _read_to_leak(decision) else None
     return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
 
@@ -263,7 +275,7 @@ def _waiting(library: Library, decision: activation.Decision) -> _Found:
     """Where the fix reads the library's register function on the first module it quantizes."""
     reads = f"the fix reads what {library.register_name}() registers on the next module it quantizes, "
     reads += f"and goes in there where it leaks ({_said(decision)})"
-    leaking = census.leaking_modules(library.module_name)
+    leaking = census.leaking_modules(library.module_name, census.noted(library.module_name))
     if leaking:
         said = f"{_leak_this_way(library, leaking)}, quantized before that: {reads}"
         return _Found(UNPROTECTED, said, leaking=leaking)
@@ -344,6 +356,7 @@ def _library_status(library: Library) -> LibraryStatus:
         state=found.state,
         reason=found.reason,
         covered=found.covered,
+        at_next_forward=found.at_next_forward,
         leaking=found.leaking,
     )
 

@@ -359,4 +359,4 @@ def test_the_hooks_code_loads_no_global() -> None:
 
     assert _globals_loaded(hooks.pre_hook_code) == set()
     assert _globals_loaded(hooks.off_hook_code) == set()
-    assert _globals_loaded(ledger.switch_off_since) == {"local", "cache", "_keep_until"}  # control: it sees them
+    assert _globals_loaded(ledger.switch_off_since) == {"local", "cache", "_keep_until"}  # control

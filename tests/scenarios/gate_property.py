@@ -1,28 +1,40 @@
 """The switch-on rule and the span's rule over random programs on two interleaved threads (Hypothesis).
 
-    python tests/scenarios/gate_property.py [--examples N]
+    python tests/scenarios/gate_property.py [--examples N] [--activate]
+
+The process starts with the fix switched off (``BNB_GC_FIX=0``). Two modules are quantized then, with
+bitsandbytes' own code: A (one pair) and B (two pairs, each pre-hook then wrapped in the module's hook
+dictionary by another tool: a ``functools.partial`` that calls it). With ``--activate`` the fix is turned
+on late (``activate()``), as a process started without it turns it on; without, the program is the
+control, bitsandbytes' own pairs throughout. Three more are quantized after that: C (two pairs), D (two
+pairs, quantized while another tool's lambda that calls the library's pre-hook function stands in its
+place) and E (one pair). So the modules are covered at quantization (C, E), at their first forward (A),
+or never, behind another tool's function (B, D).
 
 Each of two threads runs a program of top-level steps, each inside a span, as a notebook cell is
-(``bnb_gc_fix.notebook.Span``, what the cell-end release runs). A step is a tree of calls of a few 4-bit
-quantized modules (nested, sibling, a module calling itself), compiled calls (``torch.compile``,
+(``bnb_gc_fix.notebook.Span``, what the cell-end release runs). A step is a tree of calls of the modules
+(nested, sibling, a module calling itself), compiled calls of C and E (``torch.compile``,
 ``backend="eager"``), non-reentrant checkpointed regions whose recompute stops early, ``P.cached()``
-blocks (some left open past the step's span, closed at the thread's next step), ``reset()`` and
-bitsandbytes' own off function called inside a forward, a forward pre-hook registered ahead of
-bitsandbytes' that raises, deep copies of the modules (then called like the others), bitsandbytes' pair
-registered again on a module past its register function (its off hook plain), ``Exception`` and
+blocks around and inside forwards (some left open past the step's span, closed at the thread's next
+step), ``reset()`` and bitsandbytes' own off function called inside a forward, a forward pre-hook
+registered ahead of bitsandbytes' that raises, deep copies of the modules (then called like the others),
+bitsandbytes' pair registered again on a module past its register function (its off hook plain), a
+module's pre-hooks wrapped by another tool (before the fix covers it, or after), ``Exception`` and
 ``BaseException`` raised at random points and caught at random levels, and yields. A yield hands the turn
 to the other thread (one runs at a time, so every interleaving is the program's own, the same on every
 run). The second thread is started with ``_thread.start_new_thread`` in half the examples (such threads
 are not counted by ``threading.active_count()``).
 
-An oracle follows every switch-on: one per call still running and per open ``P.cached()`` block, and
-those a ``BaseException`` left. After every event the counter must equal the oracle, never be negative,
-and the cache be empty at zero. Every span must switch off exactly the switch-ons left inside it on its
-thread, and report exactly how far the counter stays above where it was when it began (nothing where
-nothing is).
+An oracle follows every switch-on: one per call of a covered module still running, one per call of its
+pre-hook functions for a module the fix cannot cover (each of its off hooks that runs switches off one),
+one per open ``P.cached()`` block, and those an exception left. After every event the counter must equal
+the oracle, never be negative or below the open blocks' (a count taken from a holder the fix did not
+switch on), and the cache be empty at zero. Every span must switch off exactly the fix's switch-ons left
+inside it on its thread, and report exactly how far the counter stays above where it was when it began
+(nothing where nothing is).
 
 Exits 0 when the property holds; otherwise Hypothesis prints the smallest falsifying program and the exit
-status is 1 (the control, with the fix switched off, must fail).
+status is 1 (the control must fail).
 """
 
 from __future__ import annotations
@@ -30,6 +42,8 @@ from __future__ import annotations
 import _thread
 import argparse
 import copy
+import functools
+import os
 import re
 import sys
 import threading
@@ -51,7 +65,8 @@ from bnb_gc_fix.notebook import Span
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from quantized import quantize
 
-MODULES = 3
+MODULES = 5  # A, B, C, D, E (the docstring)
+COMPILED = (2, 4)  # C and E, covered when quantized
 COPIES = 3  # at most, per example: the modules a program calls are the MODULES and their copies
 WIDTH = 8
 THREADS = 2
@@ -134,6 +149,14 @@ class ExtraPair:
 
 
 @dataclass(frozen=True)
+class WrapPreHooks:
+    """Another tool wraps each pre-hook of ``module`` in its hook dictionary (a ``functools.partial`` that
+    calls it): before the fix covers the module, it then cannot; after, it changes nothing."""
+
+    module: int
+
+
+@dataclass(frozen=True)
 class Yield:
     """Hand the turn to the other thread, and wait for it to come back."""
 
@@ -150,6 +173,7 @@ Step = Union[
     PreHookAhead,
     DeepCopy,
     ExtraPair,
+    WrapPreHooks,
     Yield,
 ]
 
@@ -168,6 +192,7 @@ def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
         st.builds(PreHookAhead, module=module),
         st.builds(DeepCopy, module=module),
         st.builds(ExtraPair, module=module),
+        st.builds(WrapPreHooks, module=module),
         st.builds(Call, module=module, body=st.just(()), catch=catch),
     )
 
@@ -182,18 +207,49 @@ def programs() -> st.SearchStrategy[tuple[tuple[Step, ...], ...]]:
 
 # --- the oracle -------------------------------------------------------------------------------------
 @dataclass
+class Hooks:
+    """What the oracle knows of a module's hooks, each a pair's: its pre-hooks, ``"fixed"`` (the library's
+    function, the fix in it) or ``"wrapped"`` (another tool's function that calls it), and its off hooks,
+    ``"plain"`` or ``"always"`` (called when an exception leaves the forward); and whether the fix covered
+    it (``"covered"``), cannot (``"uncoverable"``), or has not decided yet (``"pending"``)."""
+
+    pre: list[str]
+    off: list[str]
+    kind: str
+
+    def decide(self) -> None:
+        """The fix's first pre-hook call on a pending module: with a fixed pre-hook it covers it (the first
+        fixed pre-hook and the last off hook stay, the off hook always called; another tool's pre-hooks
+        stay too); without, it cannot."""
+        if "fixed" not in self.pre:
+            self.kind = "uncoverable"
+            return
+        first = self.pre.index("fixed")
+        self.pre = [hook for index, hook in enumerate(self.pre) if hook == "wrapped" or index == first]
+        self.off = ["always"]
+        self.kind = "covered"
+
+    def copied(self) -> Hooks:
+        """A deep copy's: the same hooks, its own module, not decided yet."""
+        return Hooks(list(self.pre), list(self.off), "pending")
+
+
+@dataclass
 class Running:
     module: int
     switch_on: int | None  # the number of the call's switch-on; None once it was switched off early
+    covered: bool = True  # a covered module's call (else the module's switch-ons are in Oracle.stacked)
 
 
 @dataclass
 class Oracle:
-    """Every switch-on: per thread, the calls running, those BaseExceptions left, the open P.cached()
-    blocks. Switch-ons are numbered in the order they are made, as the fix's tickets are."""
+    """Every switch-on: per thread, the calls of covered modules running, those exceptions left, the open
+    P.cached() blocks, and the switch-ons of modules the fix cannot cover (per module, one per call of a
+    pre-hook function). Switch-ons are numbered in the order they are made, as the fix's tickets are."""
 
     calls: list[list[Running]] = field(default_factory=lambda: [[] for _ in range(THREADS)])
     left: list[list[tuple[int, int]]] = field(default_factory=lambda: [[] for _ in range(THREADS)])
+    stacked: list[dict[int, list[int]]] = field(default_factory=lambda: [{} for _ in range(THREADS)])
     cached: list[int] = field(default_factory=lambda: [0] * THREADS)
     made: int = 0
     failures: list[str] = field(default_factory=list)
@@ -205,23 +261,35 @@ class Oracle:
     def expected(self) -> int:
         calls = [call for calls in self.calls for call in calls]
         running = sum(call.switch_on is not None for call in calls)
-        return running + sum(len(left) for left in self.left) + sum(self.cached)
+        stacked = sum(len(numbers) for stacked in self.stacked for numbers in stacked.values())
+        return running + sum(len(left) for left in self.left) + stacked + sum(self.cached)
 
     def check(self, where: str) -> None:
         counter = int(P._cache_enabled)
         problems = []
         if counter < 0:
             problems.append("negative")
+        if counter < sum(self.cached):
+            problems.append(f"below the {sum(self.cached)} open P.cached() blocks: a count taken from them")
         if counter != self.expected():
-            state = f"calls {self.calls}, left {self.left}, cached {self.cached}"
+            state = f"calls {self.calls}, left {self.left}, stacked {self.stacked}, cached {self.cached}"
             problems.append(f"expected {self.expected()} ({state})")
         if counter == 0 and P._cache:
             problems.append(f"{len(P._cache)} cache entries at zero")
         if problems:
             self.failures.append(f"{where}: counter {counter}: {', '.join(problems)}")
 
-    def enter(self, me: int, module: int) -> Running:
-        """A call of ``module`` starts on thread ``me``: every switch-on of this thread for it goes first."""
+    def enter(self, me: int, module: int, hooks: Hooks) -> Running:
+        """A call of ``module`` starts on thread ``me``. A covered module's: every switch-on of this thread
+        for it goes first; one of an uncoverable module: each of its pre-hooks switches on."""
+        if hooks.kind == "pending":
+            hooks.decide()
+        if hooks.kind == "uncoverable":
+            numbers = [self.number() for _ in hooks.pre]
+            self.stacked[me].setdefault(module, []).extend(numbers)
+            running = Running(module, None, covered=False)
+            self.calls[me].append(running)
+            return running
         for call in self.calls[me]:
             if call.module == module:
                 call.switch_on = None
@@ -230,12 +298,18 @@ class Oracle:
         self.calls[me].append(running)
         return running
 
-    def leave(self, me: int, running: Running, how: str) -> None:
-        """The call ends: it ``returned``, or raised an ``exception`` or a ``base`` exception. A
-        BaseException leaves its switch-on behind; otherwise its off hook switches off the latest of this
-        thread for its module: its own, or, where a deeper call of the same module switched that off, the
-        one that deeper call left when a BaseException ended it."""
+    def leave(self, me: int, running: Running, how: str, hooks: Hooks) -> None:
+        """The call ends: it ``returned``, or raised an ``exception`` or a ``base`` exception. A covered
+        module's: a BaseException leaves its switch-on behind; otherwise its off hook switches off the
+        latest of this thread for its module: its own, or, where a deeper call of the same module switched
+        that off, the one that deeper call left when a BaseException ended it. An uncoverable module's:
+        each of its off hooks that torch calls switches off this thread's latest for it, if any."""
         self.calls[me].remove(running)
+        if not running.covered:
+            called = {"returned": len(hooks.off), "exception": hooks.off.count("always"), "base": 0}
+            for _ in range(called[how]):
+                self._unstack(me, running.module)
+            return
         if how == "base":
             if running.switch_on is not None:
                 self.left[me].append((running.module, running.switch_on))
@@ -245,9 +319,20 @@ class Oracle:
             if mine:
                 self.left[me].remove(max(mine, key=lambda left: left[1]))
 
-    def stray_off(self, me: int, module: int) -> None:
+    def _unstack(self, me: int, module: int) -> None:
+        numbers = self.stacked[me].get(module)
+        if numbers:
+            numbers.pop()
+
+    def stray_off(self, me: int, module: int, hooks: Hooks) -> None:
         """The fix's off hook called for ``module`` with no call of its own (directly, or by torch after an
-        earlier pre-hook raised): this thread's latest switch-on for it goes."""
+        earlier pre-hook raised): this thread's latest switch-on for it goes; nothing where the fix has not
+        decided for the module yet."""
+        if hooks.kind == "uncoverable":
+            self._unstack(me, module)
+            return
+        if hooks.kind == "pending":
+            return
         switch_ons: list[tuple[int, Running | None]] = [
             (call.switch_on, call)
             for call in self.calls[me]
@@ -268,12 +353,18 @@ class Oracle:
                 call.switch_on = None
         for left in self.left:
             left.clear()
+        for stacked in self.stacked:
+            stacked.clear()
 
     def span_end(self, me: int, start: int) -> int:
         """A span on thread ``me`` ends: it switches off what was left there since ``start``."""
         mine = [left for left in self.left[me] if left[1] > start]
         self.left[me] = [left for left in self.left[me] if left[1] <= start]
-        return len(mine)
+        stacked = self.stacked[me]
+        later = sum(number > start for numbers in stacked.values() for number in numbers)
+        for module, numbers in stacked.items():
+            stacked[module] = [number for number in numbers if number <= start]
+        return len(mine) + later
 
 
 def _reported(message: str, words: str) -> int:
@@ -314,14 +405,17 @@ class Node(nn.Module):
     """A quantized module whose forward runs the program steps it is given (eager), or, compiled, maybe a
     raise."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, pairs: int) -> None:
         super().__init__()
         self.index = index
-        self.names = ["w0"]
-        self.w0 = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.1)
+        self.names = [f"w{i}" for i in range(pairs)]
+        for name in self.names:
+            setattr(self, name, nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.1))
 
     def forward(self, x: Any, run_body: Callable[[], None] | None = None, raising: str | None = None) -> Any:
-        y = torch.tanh(x @ self.w0.t())
+        y = x
+        for name in self.names:
+            y = torch.tanh(y @ getattr(self, name).t())
         if run_body is not None:
             run_body()
         if raising is None:
@@ -339,7 +433,8 @@ class World:
     oracle: Oracle
     turns: Turns
     nodes: list[Node]  # the MODULES, then the copies the program made
-    compiled: list[Any]  # the MODULES, compiled
+    hooks: list[Hooks]  # what the oracle knows of each node's hooks
+    compiled: dict[int, Any]  # the COMPILED modules, compiled
     innermost: list[list[int]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # running calls
     opened: list[list[Any]] = field(default_factory=lambda: [[] for _ in range(THREADS)])  # OpenCached blocks
     extra_pairs: list[Node] = field(default_factory=list)  # the modules given a pair again
@@ -353,31 +448,33 @@ class World:
 def call(world: World, me: int, step: Call, x: Any) -> None:
     oracle = world.oracle
     module = world.node(step.module)
-    running = oracle.enter(me, module)
+    hooks = world.hooks[module]
+    running = oracle.enter(me, module, hooks)
     world.innermost[me].append(module)
     try:
         world.nodes[module](x, lambda: run(world, me, step.body, x))
     except Failure:
-        oracle.leave(me, running, "exception")  # the fix's always-called hook gave it back
+        oracle.leave(me, running, "exception", hooks)  # the always-called hooks ran
         if step.catch is None:
             raise
         oracle.check("caught a Failure")
         return
     except Interrupt:
-        oracle.leave(me, running, "base")  # no hook ran
+        oracle.leave(me, running, "base", hooks)  # no hook ran
         if step.catch != "any":
             raise
         oracle.check("caught an Interrupt")
         return
     finally:
         world.innermost[me].pop()
-    oracle.leave(me, running, "returned")
+    oracle.leave(me, running, "returned", hooks)
 
 
 def compiled_call(world: World, me: int, step: CompiledCall, x: Any) -> None:
     oracle = world.oracle
-    module = step.module % MODULES
-    running = oracle.enter(me, module)
+    module = COMPILED[step.module % len(COMPILED)]
+    hooks = world.hooks[module]
+    running = oracle.enter(me, module, hooks)
     how = "returned" if step.raising is None else step.raising
     try:
         world.compiled[module](x, None, step.raising or "none")
@@ -388,7 +485,7 @@ def compiled_call(world: World, me: int, step: CompiledCall, x: Any) -> None:
         # switch-on made in a trace has ticket 0, which no span switches off.
         if ledger.local.switch_ons.get(id(world.nodes[module])) == 0:
             running.switch_on = 0
-    oracle.leave(me, running, how)
+    oracle.leave(me, running, how, hooks)
     oracle.check("after a compiled call")
 
 
@@ -432,14 +529,15 @@ def cached(world: World, me: int, step: Cached, x: Any) -> None:
 def checkpointed(world: World, me: int, step: Checkpointed, x: Any) -> None:
     oracle = world.oracle
     module = world.node(step.module)
-    forward = oracle.enter(me, module)
+    hooks = world.hooks[module]
+    forward = oracle.enter(me, module, hooks)
     leaf = x.detach().requires_grad_(True)
     with torch.enable_grad():
         out = checkpoint(world.nodes[module], leaf, use_reentrant=False)
-        oracle.leave(me, forward, "returned")
-        recompute = oracle.enter(me, module)
+        oracle.leave(me, forward, "returned", hooks)
+        recompute = oracle.enter(me, module, hooks)
         out.sum().backward()  # the recompute's forward is stopped early by an exception inside it
-        oracle.leave(me, recompute, "exception")
+        oracle.leave(me, recompute, "exception", hooks)
     oracle.check("after a checkpointed forward and its backward")
 
 
@@ -456,7 +554,7 @@ def stray_off(world: World, me: int) -> None:
         return
     module = world.innermost[me][-1]
     parametrize._disable_parametrization_cache(world.nodes[module], (), None)
-    world.oracle.stray_off(me, module)
+    world.oracle.stray_off(me, module, world.hooks[module])
     world.oracle.check("after bitsandbytes' off function called directly")
 
 
@@ -475,23 +573,46 @@ def pre_hook_ahead(world: World, me: int, step: PreHookAhead, x: Any) -> None:
         pass
     finally:
         handle.remove()
-    world.oracle.stray_off(me, module)
+    hooks = world.hooks[module]
+    for _ in range(hooks.off.count("always")):  # torch calls only those
+        world.oracle.stray_off(me, module, hooks)
     world.oracle.check("after a pre-hook ahead of bitsandbytes' raised")
 
 
 def deep_copy(world: World, step: DeepCopy) -> None:
     if len(world.nodes) < MODULES + COPIES:
-        world.nodes.append(copy.deepcopy(world.nodes[world.node(step.module)]))
+        module = world.node(step.module)
+        world.nodes.append(copy.deepcopy(world.nodes[module]))
+        world.hooks.append(world.hooks[module].copied())
 
 
 def extra_pair(world: World, step: ExtraPair) -> None:
-    node = world.nodes[world.node(step.module)]
+    module = world.node(step.module)
+    node = world.nodes[module]
     if node in world.extra_pairs:
         return
     world.extra_pairs.append(node)
     node.register_forward_pre_hook(parametrize._enable_parametrization_cache)
     node.register_forward_hook(parametrize._disable_parametrization_cache)
+    world.hooks[module].pre.append("fixed")
+    world.hooks[module].off.append("plain")
     world.oracle.check("after a pair registered again")
+
+
+def wrap_pre_hooks(world: World, step: WrapPreHooks) -> None:
+    module = world.node(step.module)
+    wrap_library_pre_hooks(world.nodes[module])
+    hooks = world.hooks[module]
+    hooks.pre = ["wrapped" for _ in hooks.pre]
+    world.oracle.check("after another tool wrapped a module's pre-hooks")
+
+
+def wrap_library_pre_hooks(node: nn.Module) -> None:
+    """Another tool's wrapper in the place of each of the library's pre-hooks in ``node``'s dictionary."""
+    pre_hooks = node._forward_pre_hooks
+    for key, hook in list(pre_hooks.items()):
+        if hook is parametrize._enable_parametrization_cache:
+            pre_hooks[key] = functools.partial(hook)
 
 
 def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
@@ -521,6 +642,8 @@ def run(world: World, me: int, body: tuple[Step, ...], x: Any) -> None:
             pre_hook_ahead(world, me, step, x)
         elif isinstance(step, ExtraPair):
             extra_pair(world, step)
+        elif isinstance(step, WrapPreHooks):
+            wrap_pre_hooks(world, step)
         else:
             deep_copy(world, step)
 
@@ -557,6 +680,7 @@ def check_programs(world: World, first: Any, second: Any, raw_thread: bool) -> N
             opened.pop().__exit__(None, None, None)
     world.innermost = [[] for _ in range(THREADS)]
     del world.nodes[MODULES:]  # an earlier example's copies (whenever collected, nothing is on for them)
+    del world.hooks[MODULES:]
     bnb_gc_fix.reset()  # forget what an earlier example left
     world.oracle = Oracle()
     world.turns = Turns()
@@ -577,7 +701,40 @@ def check_programs(world: World, first: Any, second: Any, raw_thread: bool) -> N
 # hook, which finds no switch-on of its own, must not switch off the block's (random programs rarely line
 # this up: it is pinned).
 EXTRA_PAIR_IN_A_BLOCK = ((Call(0, (), None), ExtraPair(0), Cached(body=(Call(0, (), None),))),)
+# Issue 50's finding 1: a module of two pairs behind another tool's pre-hooks (D, then B), called inside a
+# P.cached() block, then outside it: its off hooks must never take the block's count.
+BEHIND_A_TOOL_IN_A_BLOCK = (
+    (Cached(body=(Call(1, (), None),)), Call(1, (), None), Cached(body=(Call(3, (), None),))),
+)
 IDLE = ((Yield(),),)
+
+
+def the_modules(activate: bool) -> tuple[list[Node], list[Hooks]]:
+    """The MODULES, as the docstring tells: A and B quantized before the fix is on (B's pre-hooks wrapped
+    by another tool), then, ``activate`` ing the fix, C, D (behind another tool's lambda) and E."""
+    torch.manual_seed(0)
+    a = quantize(Node(0, 1))  # type: ignore[arg-type]
+    b = quantize(Node(1, 2))  # type: ignore[arg-type]
+    wrap_library_pre_hooks(b)
+    if activate:
+        os.environ["BNB_GC_FIX"] = "auto"
+        assert bnb_gc_fix.activate().library("bitsandbytes").fixed
+    c = quantize(Node(2, 2))  # type: ignore[arg-type]
+    enable = parametrize._enable_parametrization_cache
+    parametrize._enable_parametrization_cache = lambda module, inputs: enable(module, inputs)
+    try:
+        d = quantize(Node(3, 2))  # type: ignore[arg-type]
+    finally:
+        parametrize._enable_parametrization_cache = enable
+    e = quantize(Node(4, 1))  # type: ignore[arg-type]
+    hooks = [
+        Hooks(["fixed"], ["plain"], "pending"),
+        Hooks(["wrapped", "wrapped"], ["plain", "plain"], "pending"),
+        Hooks(["fixed"], ["always"], "covered"),
+        Hooks(["wrapped", "wrapped"], ["plain", "plain"], "uncoverable"),
+        Hooks(["fixed"], ["always"], "covered"),
+    ]
+    return [a, b, c, d, e], hooks
 
 
 def main() -> int:
@@ -586,14 +743,14 @@ def main() -> int:
     parser.add_argument(
         "--no-shrink", action="store_true", help="stop at the first falsifying program (the control's run)"
     )
+    parser.add_argument("--activate", action="store_true", help="turn the fix on, late (else the control)")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    nodes = [quantize(Node(i)) for i in range(MODULES)]  # type: ignore[arg-type]
+    nodes, hooks = the_modules(args.activate)
     for limit in ("recompile_limit", "cache_size_limit"):  # a variant for each node and way of raising
         if hasattr(torch._dynamo.config, limit):
             setattr(torch._dynamo.config, limit, 64)
-    compiled = [torch.compile(node, backend="eager") for node in nodes]
-    world = World(oracle=Oracle(), turns=Turns(), nodes=nodes, compiled=compiled)
+    compiled = {index: torch.compile(nodes[index], backend="eager") for index in COMPILED}
+    world = World(oracle=Oracle(), turns=Turns(), nodes=nodes, hooks=hooks, compiled=compiled)
 
     @settings(
         max_examples=args.examples,
@@ -605,6 +762,7 @@ def main() -> int:
     )
     @given(programs(), programs(), st.booleans())
     @example(EXTRA_PAIR_IN_A_BLOCK, IDLE, False)
+    @example(BEHIND_A_TOOL_IN_A_BLOCK, IDLE, False)
     def prop(first: Any, second: Any, raw_thread: bool) -> None:
         check_programs(world, first, second, raw_thread)
 
