@@ -55,16 +55,14 @@ class Library:
         "name",
         "quantizer_name",
         "register_name",
-        "register_quantizes",
     )
 
-    def __init__(  # noqa: PLR0913 (a record: every field by keyword)
+    def __init__(
         self,
         *,
         name: str,
         module_name: str,
         register_name: str,
-        register_quantizes: bool,
         quantizer_name: str,
         first_affected: str,
         first_fixed: str,
@@ -72,9 +70,6 @@ class Library:
         self.name = name
         self.module_name = module_name  # the module whose code registers the pair
         self.register_name = register_name  # the name of that module's function that registers the pair
-        self.register_quantizes = (
-            register_quantizes  # it quantizes too: read on a real module, never at import
-        )
         self.quantizer_name = quantizer_name  # the name of what users call, which calls that function
         self.first_affected = first_affected  # the first release that registers the leaking pair
         self.first_fixed = first_fixed  # the first release whose "off" hook runs when a forward raises
@@ -84,7 +79,6 @@ BITSANDBYTES = Library(
     name="bitsandbytes",
     module_name="bitsandbytes.nn.parametrize",
     register_name="_register_parametrization_hooks",
-    register_quantizes=False,
     quantizer_name="replace_parameter_4bit",
     first_affected="0.48.0",
     first_fixed="0.50.0",
@@ -93,7 +87,6 @@ AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
     name="axolotl",
     module_name="axolotl.monkeypatch.moe_quant",
     register_name="replace_parameter_8bit",
-    register_quantizes=True,
     quantizer_name="quantize_moe_experts",
     first_affected="0.15.0",
     first_fixed="0.20.0",

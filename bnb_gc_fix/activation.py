@@ -37,7 +37,7 @@ class Outcome(Enum):
     NOT_NEEDED = "its hooks do not leak this way (or never switch the cache)"
     UNREAD = "what its hooks do could not be read; nothing changed"
     CANNOT_FIX = "its hooks leak (or force asked), but the fix cannot take their place safely"
-    PENDING = "read on the first module it quantizes (its register function quantizes, or raised)"
+    PENDING = "read on the first module it quantizes"
 
 
 @dataclass
@@ -108,10 +108,12 @@ def _settle(library: Library, module: ModuleType, what: Reading) -> None:
     needed = what.kind == reading.Kind.LEAKS or fix.mode == startup.FORCE
     if not needed:
         decision.outcome = Outcome.NOT_NEEDED if what.kind != reading.Kind.UNREADABLE else Outcome.UNREAD
+        patch.unwrap_register(module, library)  # nothing of the fix stays in a library that needs none
         return
     decision.why_not = _why_it_cannot_go_in(what)
     if decision.why_not is not None:
         decision.outcome = Outcome.CANNOT_FIX
+        patch.unwrap_register(module, library)
         _warn_once(library, decision)
         return
     assert what.pair is not None
@@ -130,30 +132,40 @@ def decided_for(library: Library, module: object) -> bool:
 
 
 def _decide(library: Library, module: ModuleType) -> None:
-    """Read what the library module's register function registers, and put the fix in where it is needed
-    and can be."""
-    from bnb_gc_fix import patch, reading
+    """Decide for the library's module from what its register function's code says it registers, or,
+    where the code does not say it plainly, at the first module the library quantizes, from what it
+    registered there. For a module decided for already, again from what was read (the mode may have
+    changed; the fix, once in, stays in)."""
+    from bnb_gc_fix import code_reading, patch, reading
 
     decision = fix.decisions[library.name]
     if decided_for(library, module) and decision.outcome in (Outcome.FIXED, Outcome.PENDING):
-        return  # nothing new to read (the mode may have changed: the fix stays in)
+        return
+    if decided_for(library, module) and decision.reading is not None:
+        _settle(library, module, decision.reading)
+        return
     decision.module = module
     decision.spec = getattr(module, "__spec__", None)
-    what = reading.read(library, patch.own_register(module, library))
-    if what.deferred:
-        _wait_for_a_real_module(library, module, what)
+    register = patch.own_register(module, library)
+    if not callable(register):
+        missing = f"{library.module_name} has no {library.register_name}()"
+        _settle(library, module, reading.Reading(reading.Kind.UNREADABLE, missing))
+        return
+    what = code_reading.read(library, module, register)
+    if what is None:
+        _wait_for_a_real_module(library, module)
     else:
         _settle(library, module, what)
 
 
-def _wait_for_a_real_module(library: Library, module: ModuleType, what: Reading) -> None:
-    """The register function quantizes, or raised on a throwaway module: the first module it quantizes
-    decides."""
+def _wait_for_a_real_module(library: Library, module: ModuleType) -> None:
+    """Wrap the library's register function: the first module the library quantizes through it decides.
+    Nothing of the library is called before."""
     from bnb_gc_fix import patch
 
     decision = fix.decisions[library.name]
     decision.outcome = Outcome.PENDING
-    decision.reading = what
+    decision.reading = None
 
     def settle_later(real: Reading) -> None:  # inside the user's quantizing call: never raises
         try:
@@ -215,7 +227,7 @@ def activate(via: str = ACTIVATE) -> None:
                 module = _imported_whole(library)
                 if module is None:
                     continue
-                if fix.decisions[library.name].module is None:  # imported before the fix was on
+                if not decided_for(library, module):  # imported before the fix was on, or unseen
                     census.note_the_leaking(library.module_name)  # once: status() looks them up
                 _decide(library, module)
     except Exception as error:  # never into the user's import

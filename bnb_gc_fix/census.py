@@ -62,7 +62,7 @@ def _every_module() -> list[Any]:
     return [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read
 
 
-def _defined_in(hook: Any) -> str | None:
+def defined_in(hook: Any) -> str | None:
     """The module a hook's function was defined in (through functools.partial objects)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
@@ -74,6 +74,6 @@ def _leaks(module: Any, module_name: str) -> bool:
         hooks = dict(vars(module).get("_forward_hooks") or {})  # a module made without __init__ has none
         always = dict(vars(module).get("_forward_hooks_always_called") or {})
         skipped = [hook for key, hook in hooks.items() if key not in always]
-        return any(_defined_in(hook) == module_name for hook in skipped)
+        return any(defined_in(hook) == module_name for hook in skipped)
     except Exception:  # something in its __dict__ that is not a dictionary of hooks
         return False

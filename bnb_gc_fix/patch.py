@@ -23,8 +23,8 @@ import wrapt
 from _bnb_gc_fix import Library
 from bnb_gc_fix import cover, hooks, reading
 
-#: What the wrapper does once the library's register function returns: decide, where the reading of it
-#: on a throwaway module raised (given what it registered on a real module), then cover the module.
+#: What the wrapper does once the library's register function returned on the first real module: decide
+#: from what it registered there.
 Decide = Callable[[reading.Reading], None]
 
 
@@ -45,19 +45,18 @@ def own_register(module: ModuleType, library: Library) -> Any:
 
 def wrap_register(module: ModuleType, library: Library, decide: Decide | None) -> None:
     """Wrap the module's register function (once): each module it quantizes is covered; with ``decide``,
-    the reading of what it registers on the first real module it is called on goes to ``decide`` first."""
+    what it registers on the first real module it is called on goes to ``decide`` first."""
     register = getattr(module, library.register_name)
     if isinstance(register, _RegisterWrapper):
         register._self_decide = decide
         return
-    named = f"{library.module_name}.{library.register_name}()"
 
     def register_and_cover(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         quantized = args[0] if args else kwargs.get("module")
-        before = _hooks_before(quantized) if wrapper._self_decide is not None else None
+        before = _hooks_before(quantized, library) if wrapper._self_decide is not None else None
         result = wrapped(*args, **kwargs)
         if before is not None:
-            _decide_from(wrapper, quantized, before, named)
+            _decide_from(wrapper, quantized, before, library)
         cover.cover(quantized)  # never raises: what is not a module is left as it is
         return result
 
@@ -66,23 +65,34 @@ def wrap_register(module: ModuleType, library: Library, decide: Decide | None) -
     setattr(module, library.register_name, wrapper)
 
 
-def _hooks_before(quantized: Any) -> reading.Hooks | None:
-    """The hooks of what the register function is about to be called on (None: not a module)."""
+def unwrap_register(module: ModuleType, library: Library) -> None:
+    """Give the module back its own register function, where the fix wrapped it."""
+    register = getattr(module, library.register_name, None)
+    if isinstance(register, _RegisterWrapper):
+        setattr(module, library.register_name, register.__wrapped__)
+
+
+def _hooks_before(quantized: Any, library: Library) -> reading.Hooks | None:
+    """The hooks of what the register function is about to be called on (None: not a module, or hooks
+    that cannot be read: then the next module decides). Never raises into the user's quantizing call."""
     if not isinstance(quantized, torch.nn.Module):
         return None
-    return reading.Hooks.of(quantized)
+    try:
+        return reading.Hooks.of(quantized, library.module_name)
+    except Exception:  # hook dictionaries that do not look as torch's
+        return None
 
 
-def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hooks, named: str) -> None:
+def _decide_from(wrapper: _RegisterWrapper, quantized: Any, before: reading.Hooks, library: Library) -> None:
     """Hand what the register function registered on a real module to the pending decision, unless it
-    registered nothing there (a module registered on before): then the next module decides. Never raises
+    registered nothing on a module it had quantized before: then the next module decides. Never raises
     into the user's quantizing call (the decision warns instead)."""
     decide = wrapper._self_decide
     try:
-        what = reading.registered(quantized, before, named)
+        what = reading.read(library, quantized, before)
     except Exception:  # hook dictionaries that do not look as torch's: the next module decides
         return
-    if decide is None or what.kind == reading.Kind.NOTHING:
+    if decide is None or what is None:
         return
     wrapper._self_decide = None
     decide(what)

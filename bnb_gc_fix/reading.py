@@ -1,13 +1,12 @@
 """What a library's hooks do, read from what its code does, never from its version or the names of its hooks.
 
-Its register function is called on a throwaway module (an empty ``nn.Module``), and what it registered
-there is read: a pre-hook and an off hook, and whether torch always calls the off hook. Where that call
-raises, or where the register function quantizes too (axolotl's, never called at import), the same
-reading is made on the first module the library itself quantizes (``bnb_gc_fix.patch``). The pair found
-is then run against a stand-in of torch's parametrize module, a copy of each function whose globals hold
-only the stand-in and a few pure builtins, to see whether it is the pair the fix can take the place of:
-the pre-hook adds 1 to the counter, the off hook takes 1 off and empties the cache at 0. Nothing of the
-process's own state is read or written by either step.
+Nothing of the library is called to read it: the fix wraps its register function, and the first module
+the library itself quantizes through it is read (``bnb_gc_fix.patch``): what the call registered there, a
+pre-hook and an off hook, and whether torch always calls the off hook. The pair found is then run against
+a stand-in of torch's parametrize module, a copy of each function whose globals hold only the stand-in and
+a few pure builtins, to see whether it is the pair the fix can take the place of: the pre-hook adds 1 to
+the counter, the off hook takes 1 off and empties the cache at 0. Nothing of the process's own state is
+read or written by either step.
 """
 
 from __future__ import annotations
@@ -19,11 +18,10 @@ from enum import Enum
 from types import FunctionType
 from typing import Any
 
-import torch
 import torch.nn.utils.parametrize as P
 
 from _bnb_gc_fix import Library
-from bnb_gc_fix import hooks
+from bnb_gc_fix import census, hooks
 
 
 class Kind(Enum):
@@ -47,7 +45,6 @@ class Reading:
     said: str  # what was found, for status(): "... registers a pair whose off hook ..."
     pair: tuple[Any, Any] | None = None  # (pre-hook, off hook), where one was registered
     replaceable: bool = False  # plain functions doing what the fix's hooks do in their place (or the fix's)
-    deferred: bool = False  # to be read on the first module the library quantizes, not on a throwaway
 
     @property
     def leaks(self) -> bool | None:
@@ -60,48 +57,31 @@ class Reading:
         return self.kind == Kind.ALWAYS_OFF
 
 
-def read(library: Library, register: Any) -> Reading:
-    """Call ``register`` (the library's own function, never the fix's wrapper) on a throwaway module, unless
-    it quantizes too: that one is read on the first module the library quantizes."""
-    named = f"{library.module_name}.{library.register_name}()"
-    if not callable(register):
-        return Reading(Kind.UNREADABLE, f"{library.module_name} has no {library.register_name}()")
-    if library.register_quantizes:
-        return Reading(Kind.UNREADABLE, f"{named} quantizes as it registers", deferred=True)
-    throwaway = torch.nn.Module()
-    try:
-        register(throwaway, "weight")
-    except Exception as error:
-        said = f"{named} raised {type(error).__name__} on a throwaway module"
-        return Reading(Kind.UNREADABLE, said, deferred=True)
-    try:
-        return registered(throwaway, Hooks.none(), named)
-    finally:
-        _let_it_hold_nothing(throwaway)
-
-
-def _let_it_hold_nothing(throwaway: Any) -> None:
-    """Empty the throwaway's hook dictionaries: until the collector frees it (in a reference cycle, where a
-    register function parametrizes it), nothing counts it among the modules quantized here."""
-    throwaway._forward_pre_hooks.clear()
-    throwaway._forward_hooks.clear()
-    throwaway._forward_hooks_always_called.clear()
-
-
 @dataclass(frozen=True)
 class Hooks:
-    """The keys of a module's forward hooks at one moment, to tell what a call registered."""
+    """The keys of a module's forward hooks at one moment, to tell what a call registered, and whether an
+    off hook of the library's module was among them (the module was quantized with it before)."""
 
     pre_hooks: frozenset[int]
     off_hooks: frozenset[int]
+    the_librarys: bool
 
     @classmethod
-    def none(cls) -> Hooks:
-        return cls(frozenset(), frozenset())
+    def of(cls, module: Any, module_name: str) -> Hooks:
+        off_hooks = module._forward_hooks
+        the_librarys = any(census.defined_in(hook) == module_name for hook in off_hooks.values())
+        return cls(frozenset(module._forward_pre_hooks), frozenset(off_hooks), the_librarys)
 
-    @classmethod
-    def of(cls, module: Any) -> Hooks:
-        return cls(frozenset(module._forward_pre_hooks), frozenset(module._forward_hooks))
+
+def read(library: Library, module: Any, before: Hooks) -> Reading | None:
+    """What the library's register function registered on ``module`` (one the library quantized), whose
+    hooks were ``before`` until it did; None where it registered nothing on a module it had quantized
+    before, so that the next module tells."""
+    named = f"{library.module_name}.{library.register_name}()"
+    what = registered(module, before, named)
+    if what.kind == Kind.NOTHING and before.the_librarys:
+        return None
+    return what
 
 
 def registered(module: Any, before: Hooks, named: str) -> Reading:
@@ -115,14 +95,14 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
         said = f"{named} registers {len(pre_keys)} pre-hooks and {len(off_keys)} forward hooks, not one pair"
         return Reading(Kind.UNREADABLE, said)
     pair = (module._forward_pre_hooks[pre_keys[0]], module._forward_hooks[off_keys[0]])
-    return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named)
+    return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named, module)
 
 
-def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Reading:
+def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str, module: Any) -> Reading:
     """What a registered pair does, ``always_called`` where torch calls its off hook whatever happens."""
     if _is_the_fixs(pair):
         return Reading(Kind.LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
-    effect = _effect_on_a_stand_in(pair)
+    effect = _effect_on_a_stand_in(pair, module)
     replaceable = effect == SWITCHES and all(_plain_function(hook) for hook in pair)
     if always_called:
         said = f"{named} registers an off hook that torch calls even when a forward raises"
@@ -184,17 +164,16 @@ def _on_a_stand_in(hook: Any, counter: int, *arguments: Any) -> _StandIn:
     return stand_in
 
 
-def _effect_on_a_stand_in(pair: tuple[Any, Any]) -> str:
+def _effect_on_a_stand_in(pair: tuple[Any, Any], module: Any) -> str:
     """SWITCHES where the pre-hook adds 1 to the counter, leaving the cache, and the off hook takes 1 off,
     emptying the cache only at 0 (what the fix's hooks do in their place); NEVER_SWITCHES where neither
-    touches them; else why not, in words."""
+    touches them; else why not, in words. The copies get ``module`` as torch would give it them."""
     if not all(isinstance(_unwrapped(hook)[0], FunctionType) for hook in pair):
         return "they are not Python functions"
     pre_hook, off_hook = pair
-    throwaway = torch.nn.Module()
     try:
-        adds = [_on_a_stand_in(pre_hook, counter, throwaway, ()) for counter in (0, 1)]
-        takes = [_on_a_stand_in(off_hook, counter, throwaway, (), None) for counter in (2, 1)]
+        adds = [_on_a_stand_in(pre_hook, counter, module, ()) for counter in (0, 1)]
+        takes = [_on_a_stand_in(off_hook, counter, module, (), None) for counter in (2, 1)]
     except Exception as error:  # a global it needs that the stand-in lacks, say
         return f"they reach for more than torch's parametrize module: {type(error).__name__}"
     counters = [after._cache_enabled for after in adds + takes]

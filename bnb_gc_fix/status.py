@@ -271,10 +271,10 @@ def _not_needed(library: Library, version: str, decision: activation.Decision) -
     return _Found(NOT_AFFECTED, said)
 
 
-def _waiting(library: Library, decision: activation.Decision) -> _Found:
+def _waiting(library: Library) -> _Found:
     """Where the fix reads the library's register function on the first module it quantizes."""
     reads = f"the fix reads what {library.register_name}() registers on the next module it quantizes, "
-    reads += f"and goes in there where it leaks ({_said(decision)})"
+    reads += "and goes in there where it leaks"
     leaking = census.leaking_modules(library.module_name, census.noted(library.module_name))
     if leaking:
         said = f"{_leak_this_way(library, leaking)}, quantized before that: {reads}"
@@ -334,7 +334,7 @@ def _found(library: Library, version: str | None) -> _Found:
         return _not_imported(library, version)
     decision = _decided_here(library)
     if decision is not None and decision.outcome == activation.Outcome.PENDING:
-        return _waiting(library, decision)
+        return _waiting(library)
     if decision is not None and decision.outcome == activation.Outcome.FIXED:
         return _with_the_fix(library, version, decision)
     if decision is not None and decision.outcome == activation.Outcome.NOT_NEEDED:

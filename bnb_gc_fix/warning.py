@@ -9,6 +9,8 @@ import sys
 import warnings
 from types import FrameType
 
+from _bnb_gc_fix import LIBRARIES
+
 logger = logging.getLogger("bnb_gc_fix")
 
 
@@ -26,6 +28,8 @@ class SwitchValueWarning(BnbGcFixWarning):
 
 
 _OUR_FOLDER = os.path.dirname(os.path.abspath(__file__)) + os.sep
+#: The libraries' top packages: a warning given inside their quantizing call is the user's call's.
+_LIBRARY_PACKAGES = tuple(library.module_name.split(".")[0] for library in LIBRARIES)
 _OUR_START_UP_MODULE = sys.modules["_bnb_gc_fix"].__file__ if "_bnb_gc_fix" in sys.modules else "_bnb_gc_fix"
 
 
@@ -36,10 +40,18 @@ def _is_ours_or_the_import_system(filename: str) -> bool:
     return path.startswith(_OUR_FOLDER) or path == _OUR_START_UP_MODULE
 
 
+def _in_a_library(frame: FrameType) -> bool:
+    name = str(frame.f_globals.get("__name__", ""))
+    return name.split(".")[0] in _LIBRARY_PACKAGES
+
+
 def _users_frame() -> FrameType:
-    """The innermost frame outside bnb-gc-fix and the import system (the outermost if all are)."""
+    """The innermost frame outside bnb-gc-fix, the import system and the libraries the fix goes into (the
+    outermost if all are)."""
     frame = sys._getframe(1)
-    while frame.f_back is not None and _is_ours_or_the_import_system(frame.f_code.co_filename):
+    while frame.f_back is not None and (
+        _is_ours_or_the_import_system(frame.f_code.co_filename) or _in_a_library(frame)
+    ):
         frame = frame.f_back
     return frame
 

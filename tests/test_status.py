@@ -143,7 +143,8 @@ WARN_PATHS = {
         + "from functools import partial\n"
         + "enable = parametrize._enable_parametrization_cache\n"
         + "parametrize._enable_parametrization_cache = partial(enable)  # the pair, in a partial\n"
-        + "import bnb_gc_fix  # USER LINE\n"
+        + "import bnb_gc_fix, torch\n"
+        + "parametrize.replace_parameter_4bit(torch.nn.Linear(64, 64), 'weight')  # USER LINE\n"
     ),
 }
 

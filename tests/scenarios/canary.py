@@ -290,12 +290,16 @@ def _bitsandbytes() -> None:
 
     @fact("bitsandbytes", "read")
     def _read() -> Any:
-        """What the package reads of the installed release: its register function, called on a throwaway
-        module, registers a pair that leaks (or, from the first fixed release on, is always called), and
-        that the fix can take the place of."""
+        """What the package reads of the installed release: on a module ``replace_parameter_4bit``
+        quantized, its register function registered a pair that leaks (or, from the first fixed release
+        on, is always called), and that the fix can take the place of."""
         from bnb_gc_fix import reading
 
-        found = reading.read(target, getattr(bnb, target.register_name))
+        module = nn.Linear(64, 64)
+        before = reading.Hooks.of(module, target.module_name)
+        bnb.replace_parameter_4bit(module, "weight")
+        found = reading.read(target, module, before)
+        assert found is not None
         return {"kind": found.kind.name, "replaceable": found.replaceable}
 
     @fact("bitsandbytes", "forward_caches_the_dequantized_weight")

@@ -1,0 +1,143 @@
+"""What a library's register function registers, read from its code at import, without running any of it.
+
+The register function's bytecode says which functions it registers, and how: a module global passed
+alone to ``register_forward_pre_hook`` or ``register_forward_hook``, the latter with ``always_call=True``
+or not. Each function is then recognised by its code: the same bytecode, constants and names (torch's
+parametrize module under whatever name) as a known hook of the pair, compiled here from its source, so a
+function's line numbers, annotations and comments do not matter. Where the code does not say plainly (a
+registration through a helper, a hook wrapped in ``functools.partial``, other arguments, a function of
+another shape), this reading says nothing, and the first module the library quantizes is read instead
+(``bnb_gc_fix.reading``).
+"""
+
+from __future__ import annotations
+
+import dis
+from types import CodeType, FunctionType, ModuleType
+from typing import Any
+
+import torch.nn.utils.parametrize as P
+
+from _bnb_gc_fix import Library
+from bnb_gc_fix.reading import Kind, Reading
+
+ADDS = "adds 1"
+TAKES = "takes 1 off"
+TAKES_CLAMPED = "takes 1 off, never below 0"
+#: The hooks the fix knows, as the libraries write them, by what each does.
+KNOWN = {
+    ADDS: "def hook(module, inputs):\n    P._cache_enabled += 1\n",
+    TAKES: (
+        "def hook(module, inputs, output):\n"
+        "    P._cache_enabled -= 1\n"
+        "    if not P._cache_enabled:\n"
+        "        P._cache = {}\n"
+    ),
+    TAKES_CLAMPED: (  # bitsandbytes 0.50's
+        "def hook(module, inputs, output):\n"
+        "    P._cache_enabled = max(0, P._cache_enabled - 1)\n"
+        "    if not P._cache_enabled:\n"
+        "        P._cache = {}\n"
+    ),
+}
+PRE_HOOK = "register_forward_pre_hook"
+OFF_HOOK = "register_forward_hook"
+#: The instructions that end a call's arguments, on Python 3.9 to 3.13.
+CALLS = ("CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW", "CALL_KW")
+
+
+def _compiled(source: str) -> CodeType:
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "<bnb-gc-fix: a known hook>", "exec"), namespace)
+    code: CodeType = namespace["hook"].__code__
+    return code
+
+
+_KNOWN_CODE = {what: _compiled(source) for what, source in KNOWN.items()}
+
+
+def read(library: Library, module: ModuleType, register: Any) -> Reading | None:
+    """What ``register`` (the library module's own register function) registers, where its code says it
+    plainly; None where it does not."""
+    code = getattr(register, "__code__", None)
+    if not isinstance(code, CodeType):
+        return None
+    registered = _registrations(code, vars(module))
+    if registered is None:
+        return None
+    (pre_hook, pre_always), (off_hook, off_always) = registered
+    if pre_always or _does(pre_hook) != ADDS or _does(off_hook) not in (TAKES, TAKES_CLAMPED):
+        return None
+    named = f"{library.module_name}.{library.register_name}()"
+    pair = (pre_hook, off_hook)
+    if off_always:
+        said = f"{named} registers an off hook that torch calls even when a forward raises"
+        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable=True)
+    said = f"{named} registers an off hook that torch skips when a forward raises"
+    return Reading(Kind.LEAKS, said, pair, replaceable=True)
+
+
+def _registrations(code: CodeType, namespace: dict[str, Any]) -> tuple[Any, Any] | None:
+    """The (function, always called) that ``code`` passes to each of torch's two registering methods,
+    each exactly once; None where it registers otherwise."""
+    found: dict[str, list[tuple[Any, bool]]] = {PRE_HOOK: [], OFF_HOOK: []}
+    instructions = list(dis.get_instructions(code))
+    for index, instruction in enumerate(instructions):
+        if instruction.argval not in found or instruction.opname not in ("LOAD_METHOD", "LOAD_ATTR"):
+            continue
+        registration = _registration(instructions[index + 1 :], namespace, code.co_consts)
+        if registration is None:
+            return None
+        found[instruction.argval].append(registration)
+    if len(found[PRE_HOOK]) != 1 or len(found[OFF_HOOK]) != 1:
+        return None
+    return found[PRE_HOOK][0], found[OFF_HOOK][0]
+
+
+def _registration(
+    after: list[dis.Instruction], namespace: dict[str, Any], consts: tuple[Any, ...]
+) -> tuple[Any, bool] | None:
+    """The function passed alone to a registering method whose name was just loaded, and whether with
+    ``always_call=True``; None for anything else."""
+    if not after or after[0].opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+        return None
+    function = namespace.get(after[0].argval)
+    if not isinstance(function, FunctionType) or function.__closure__ is not None:
+        return None
+    rest = _until_the_call(after[1:], consts)
+    if not rest:
+        return function, False
+    if rest in ALWAYS_CALL:
+        return function, True
+    return None
+
+
+#: What follows the function up to the call where it is registered with ``always_call=True`` alone.
+ALWAYS_CALL = (
+    [("LOAD_CONST", True), ("LOAD_CONST", ("always_call",))],  # Python 3.9, 3.10, 3.13
+    [("LOAD_CONST", True), ("KW_NAMES", ("always_call",))],  # Python 3.11, 3.12
+)
+
+
+def _until_the_call(instructions: list[dis.Instruction], consts: tuple[Any, ...]) -> list[tuple[str, Any]]:
+    """Each instruction up to the next call, as (name, value), but those that do nothing."""
+    found = []
+    for instruction in instructions:
+        if instruction.opname in CALLS:
+            break
+        if instruction.opname == "KW_NAMES":  # its value is a constant (3.11's dis does not resolve it)
+            found.append((instruction.opname, consts[instruction.arg or 0]))
+        elif instruction.opname not in ("PRECALL", "NOP", "CACHE"):
+            found.append((instruction.opname, instruction.argval))
+    return found
+
+
+def _does(function: Any) -> str | None:
+    """Which known hook ``function``'s code is (torch's parametrize module under any global name)."""
+    code = function.__code__
+    names = tuple("P" if function.__globals__.get(name) is P else name for name in code.co_names)
+    for what, known in _KNOWN_CODE.items():
+        same = code.co_code == known.co_code and code.co_consts == known.co_consts
+        if same and names == known.co_names and code.co_argcount == known.co_argcount:
+            return what
+    return None
