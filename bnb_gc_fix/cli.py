@@ -10,10 +10,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from packaging.version import InvalidVersion, Version
+
 from _bnb_gc_fix import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, has_module, try_import
 from bnb_gc_fix.lines import counted, labelled, wrap
+from bnb_gc_fix.releases import version_of
 from bnb_gc_fix.status import NOT_AFFECTED, Status, status
 
 EXIT_PROTECTED = 0  # check: no leak, either way
@@ -44,22 +47,44 @@ def _import_the_libraries() -> list[str]:
     return problems
 
 
+_NAMED = ("torch", "transformers", *(library.name for library in LIBRARIES))  # versions named
+
+
 def _versions() -> dict[str, str | None]:
     """What a bug report needs: the versions installed (from their metadata; None: not installed)."""
-    names = ("torch", "transformers", *(library.name for library in LIBRARIES))
     return {"bnb_gc_fix": __version__, "python": platform.python_version()} | {
-        name: distribution_version(name) for name in names
+        name: distribution_version(name) for name in _NAMED
     }
+
+
+def _imported_versions() -> dict[str, str | None]:
+    """The ``__version__`` of each library as imported in this process (None: not imported), read from
+    ``sys.modules``: nothing is imported. A source checkout first on ``PYTHONPATH`` can differ from the
+    installed metadata."""
+    return {name: version_of(name) for name in _NAMED}
+
+
+def _same(imported: str, installed: str) -> bool:
+    """Whether two version strings name one version (``1.0-rc1`` is ``1.0rc1``)."""
+    try:
+        return Version(imported) == Version(installed)
+    except InvalidVersion:
+        return imported == installed
 
 
 def _versions_line() -> str:
     """One line: this package, Python, torch and bitsandbytes (installed or not), and transformers and
-    axolotl where they are installed."""
-    versions = _versions()
+    axolotl where they are installed. Each names the version imported in this process, and the installed
+    metadata's beside it where the two differ."""
+    versions, imported = _versions(), _imported_versions()
     named = [f"Python {versions['python']}"]
     for name in ("torch", BITSANDBYTES.name, "transformers", AXOLOTL.name):
-        version = versions[name]
-        if version is not None:
+        version, loaded = versions[name], imported[name]
+        if loaded is not None and version is not None and not _same(loaded, version):
+            named.append(f"{name} {loaded} (installed: {version})")
+        elif loaded is not None and version is None:
+            named.append(f"{name} {loaded} (installed: none)")
+        elif version is not None:
             named.append(f"{name} {version}")
         elif name in ("torch", BITSANDBYTES.name):
             named.append(f"{name} not installed")
@@ -70,7 +95,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     problems = _import_the_libraries()
     current = status()
     if args.json:
-        _print_json({**_versions(), **current.as_dict(), "import_errors": problems})
+        facts = {**_versions(), "imported": _imported_versions(), **current.as_dict()}
+        _print_json({**facts, "import_errors": problems})
         return 0
     print(_versions_line())
     for line in current.lines(who_turned_it_on=False):  # this command's own import turned the fix on

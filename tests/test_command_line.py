@@ -5,7 +5,10 @@ exit code (0 protected, 1 leak, 2 cannot run) and, with ``--json``, one JSON obj
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from conftest import (
     WITHOUT_STARTUP_HOOK,
     cli_calls,
     command,
+    environment,
     run_code,
     run_python,
     unwrapped,
@@ -267,6 +271,56 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert said.count(facts["reason"]) == 1
     assert not [line for line in lines if line.startswith(("bitsandbytes", "axolotl"))]  # no library line
     assert lines[-1] == "note:  this state is the command's own; in your job, print(bnb_gc_fix.status())"
+
+
+# A source checkout of bitsandbytes first on PYTHONPATH over the installed release (issue 51): the
+# versions line names the bitsandbytes imported, and the installed metadata's version beside it. The
+# checkout is the installed package's files, linked, with an __init__.py that says another __version__.
+CHECKOUT_VERSION = "0.50.0.dev0"
+
+
+def _checkout_of_bitsandbytes(folder: Path) -> Path:
+    """``folder``, holding a ``bitsandbytes`` package: the installed one's files linked, its own
+    ``__init__.py`` saying ``__version__ = CHECKOUT_VERSION``."""
+    spec = importlib.util.find_spec("bitsandbytes")  # a top-level package's spec imports nothing
+    assert spec is not None and spec.submodule_search_locations
+    installed = Path(next(iter(spec.submodule_search_locations)))
+    init = installed / "__init__.py"
+
+    def link(source: str, target: str) -> None:
+        if Path(source) == init:
+            shutil.copy(source, target)
+        else:
+            os.symlink(source, target)
+
+    package = folder / "bitsandbytes"
+    shutil.copytree(installed, package, ignore=shutil.ignore_patterns("__pycache__"), copy_function=link)
+    text, said = init.read_text(), f'__version__ = "{BITSANDBYTES}"'
+    assert said in text
+    (package / "__init__.py").write_text(text.replace(said, f'__version__ = "{CHECKOUT_VERSION}"'))
+    return folder
+
+
+@pytest.mark.skipif(BITSANDBYTES is None, reason="needs bitsandbytes installed, to put a checkout over it")
+@pytest.mark.parametrize("where", ["a checkout first on PYTHONPATH", "the plain environment"])
+def test_status_versions_line_names_the_bitsandbytes_imported(tmp_path: Path, where: str) -> None:
+    if where == "the plain environment":  # the control: one version named, the installed one
+        (_, text, err), (_, line, _) = cli_calls(["status"], ["status", "--json"])
+        imported = BITSANDBYTES
+        named = f"bitsandbytes {BITSANDBYTES}"
+    else:
+        env = environment(None, PYTHONPATH=str(_checkout_of_bitsandbytes(tmp_path)))
+        fresh = "another PYTHONPATH: a checkout of bitsandbytes over the installed release"
+        (_, text, err), (_, line, _) = cli_calls(["status"], ["status", "--json"], env=env, fresh=fresh)
+        imported = CHECKOUT_VERSION
+        named = f"bitsandbytes {CHECKOUT_VERSION} (installed: {BITSANDBYTES})"
+    first = unwrapped(text.split("\nstate: ")[0])
+    assert f"{named}," in f"{first},", (first, err)
+    assert first.count("bitsandbytes") == 1 and first.count("installed") == named.count("installed")
+    facts = json.loads(line)
+    assert facts["bitsandbytes"] == BITSANDBYTES and facts["imported"]["bitsandbytes"] == imported
+    assert facts["libraries"][0]["version"] == imported  # the verdict's version is the first line's
+    assert max(len(each) for each in text.splitlines()) <= 100
 
 
 def test_status_command_without_torch_says_so() -> None:
