@@ -91,20 +91,37 @@ def _versions_line() -> str:
     return wrap(f"bnb-gc-fix {__version__}: {', '.join(named)}")
 
 
+#: What ``bnb-gc-fix status`` says of where its answer comes from.
+READ_FROM_THE_CODE = (
+    "this comes from reading the libraries' code, not from a job; in your job, print(bnb_gc_fix.status()) "
+    "after a training step"
+)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
+    """What a job in this environment gets (``bnb_gc_fix.environment``), with the fix's switch; the
+    command's own process under ``process`` in the JSON."""
+    from bnb_gc_fix import environment
+
     problems = _import_the_libraries()
     current = status()
+    answers = environment.answers()
+    answer = environment.worst(answers)
     if args.json:
-        facts = {**_versions(), "imported": _imported_versions(), **current.as_dict()}
-        _print_json({**facts, "import_errors": problems})
+        facts: dict[str, Any] = {**_versions(), "imported": _imported_versions()}
+        facts.update(state=answer.state, reason=answer.reason, libraries=[each.as_dict() for each in answers])
+        facts.update(on=current.on, switch=current.switch, start_up_hook_ran=current.start_up_hook_ran)
+        _print_json({**facts, "process": current.as_dict(), "import_errors": problems})
         return 0
     print(_versions_line())
-    for line in current.lines(who_turned_it_on=False):  # this command's own import turned the fix on
-        print(line)
+    print(labelled("state", f"{answer.state}: {answer.reason}"))
+    print(current.fix_line(who_turned_it_on=False))  # this command's own import turned the fix on
+    others = [each for each in answers if each.version is not None and each is not answer]
+    for each in others:
+        print(labelled(f"{each.name} {each.version}", f"{each.state}: {each.reason}"))
     for problem in problems:
         print(labelled("import", problem))
-    if current.covered == 0:
-        print(labelled("note", "this state is the command's own; in your job, print(bnb_gc_fix.status())"))
+    print(labelled("note", READ_FROM_THE_CODE))
     return 0
 
 

@@ -48,6 +48,7 @@ class Status:
     turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
     switch: str | None  # BNB_GC_FIX as the activation that turned the fix on read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
+    watching: tuple[str, ...]  # the libraries' modules it still waits for here (none imported yet)
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
@@ -127,6 +128,12 @@ class Status:
             )
         if said_the_hook:
             return ""
+        if BITSANDBYTES.module_name in self.watching:
+            waits = f"it waits for {BITSANDBYTES.module_name}, not imported yet"
+            return (
+                f"; the start-up hook ran here too ({waits}), and turns the fix on at that import in "
+                "processes that never import bnb_gc_fix"
+            )
         return "; processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
 
     def cache_line(self) -> str:
@@ -371,6 +378,7 @@ def status() -> Status:
         turned_on_by=activation.fix.turned_on_by,
         switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
+        watching=tuple(name for name in startup.WATCHED if startup.started and name not in sys.modules),
         counter=counter,
         cache_bytes=cache_bytes,
         from_the_fix=ledger.count_every_thread(),
