@@ -79,12 +79,60 @@ FROM_THE_INSTALLED = {
         },
     ),
     "the leaking pair, renamed": ("0.51.0", RENAMED),
+    # Issue 51: an always-called pair of plain functions, and plain functions that do something else.
+    "the installed pair, always called": (
+        BITSANDBYTES,
+        {
+            "    module.register_forward_hook(_disable_parametrization_cache)\n": (
+                "    module.register_forward_hook(_disable_parametrization_cache, always_call=True)\n"
+            )
+        },
+    ),
+    "plain functions that switch the cache by two": (
+        BITSANDBYTES,
+        {
+            "P._cache_enabled += 1\n": "P._cache_enabled += 2\n",
+            "P._cache_enabled -= 1\n": "P._cache_enabled -= 2\n",
+        },
+    ),
 }
 # ...and from bitsandbytes 0.50.2's (fixed) code.
 FROM_0_50_2 = {
     "the fixed pair, renamed": ("0.51.0", RENAMED),
     "the fixed pair, an old version number": ("0.49.2", {}),
 }
+
+# Issue 51: importing bitsandbytes' 4-bit module runs none of its functions but its module's own code, and
+# makes no module of the fix's own; the fix is decided all the same, from the code (8dd19c6 called its
+# register function on a throwaway module, then copies of its hooks on a stand-in). Every call of a
+# function from the library's file is recorded while the module is imported.
+AT_IMPORT = """
+import gc, torch
+def modules():
+    return sum(isinstance(each, torch.nn.Module) for each in gc.get_objects())
+alive = modules()
+calls = []
+def record(frame, event, arg):
+    code = frame.f_code
+    if event == "call" and code.co_filename.endswith("parametrize.py") and "bitsandbytes" in code.co_filename:
+        calls.append(code.co_name)
+sys.setprofile(record)
+import bitsandbytes.nn.parametrize
+sys.setprofile(None)
+made = modules() - alive
+fix = sys.modules.get("bnb_gc_fix")
+fixed = fix.status().library("bitsandbytes").fixed if fix is not None else None
+print(json.dumps({"calls": calls, "modules": made, "fixed": fixed}))
+"""
+
+
+def test_importing_the_library_runs_nothing_of_it_and_makes_no_module() -> None:
+    fixed = run_code(AT_IMPORT, prelude="scenarios", switch=None).last_json
+    control = run_code(AT_IMPORT, prelude="scenarios", switch="0").last_json
+    assert control["calls"][0] == "<module>" and control["modules"] == 0  # its module's own code
+    assert fixed["calls"] == control["calls"] and fixed["modules"] == 0  # nothing more of it ran
+    assert fixed["fixed"] is True and control["fixed"] is None  # the fix decided from its code alone
+
 
 # A user's script on that release: quantize, three checkpointed steps, and what the package said.
 RELEASE = """
@@ -254,6 +302,31 @@ def test_force_puts_the_fix_only_into_hooks_it_recognises(
     [warning] = forced["warnings"]
     assert "registers forward hooks that bnb-gc-fix cannot read (they are not Python functions)" in warning
     assert forced["counters"] == [0, 0, 0]
+
+
+def test_an_always_called_pair_of_plain_functions_is_read_as_not_leaking(
+    installed_releases: dict[str, tuple[Path, str]],
+) -> None:
+    fixed, control = _fixed_and_control(installed_releases, "the installed pair, always called")
+    assert control["counters"] == fixed["counters"] == [0, 0, 0]  # upstream's fix, without its clamp
+    assert fixed["warnings"] == [] and fixed["state"] == "not affected"  # read as it is: nothing to fix
+    assert (
+        f"bitsandbytes {BITSANDBYTES}'s hooks switch the cache off even when a forward raises"
+        in fixed["said"]
+    )
+
+
+def test_plain_functions_that_do_something_else_to_the_cache_are_left_as_they_are(
+    installed_releases: dict[str, tuple[Path, str]],
+) -> None:
+    fixed, control = _fixed_and_control(installed_releases, "plain functions that switch the cache by two")
+    assert control["counters"] == fixed["counters"] == [4, 8, 12]  # their own code: nothing changed
+    assert fixed["warnings"] == []  # nothing the fix can read as leaking this way
+    assert fixed["state"] == "unprotected"  # their modules leak, and status says it cannot read them
+    assert (
+        "registers forward hooks that bnb-gc-fix cannot read (they do something else to the cache)"
+        in (fixed["said"])
+    )
 
 
 # --- the fixed line's code (bitsandbytes 0.50.2, downloaded) ---------------------------------------------

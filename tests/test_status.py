@@ -56,6 +56,28 @@ def test_status_at_the_top_of_a_script() -> None:
     assert top["counter"] is None and top["cache_bytes"] is None and top["torch_imported"] is False
 
 
+# Issue 51: in a process that never imports bitsandbytes' 4-bit module (a plain QLoRA job), the fix line
+# says what the start-up hook did here: it waits for that module, which it has not seen yet (8dd19c6 said
+# only "turned on by import bnb_gc_fix", and a new user took the start-up hook for one that did not run).
+# Beside it, the same process once the module is imported.
+WAITING = """
+import bitsandbytes, bnb_gc_fix
+if sys.argv[1] == "4-bit module":
+    import bitsandbytes.nn.parametrize
+print(json.dumps(bnb_gc_fix.status().fix_line()))
+"""
+
+
+@pytest.mark.parametrize("imported", ["4-bit module", "bitsandbytes alone"])
+def test_the_fix_line_says_what_the_start_up_hook_did_here(imported: str) -> None:
+    said = " ".join(run_code(WAITING, imported, prelude="scenarios").last_json.split())
+    assert said.startswith("fix: on, turned on by import bnb_gc_fix (BNB_GC_FIX unset);"), said
+    waits = "the start-up hook ran here too (it waits for bitsandbytes.nn.parametrize, not imported yet)"
+    assert (waits in said) is (imported == "bitsandbytes alone"), said
+    others = "processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
+    assert (others in said) is (imported == "4-bit module"), said
+
+
 # Issue 50's finding 3: after a late import (bitsandbytes' 4-bit module imported before the package, the
 # fix then turned on by activate()), status() is a lookup: the modules quantized before were read once, at
 # activate(), and none of its calls reads every object again (8dd19c6: each did, 41-229 ms at 400k
