@@ -163,13 +163,15 @@ def test_status_json_says_whether_this_release_is_affected(record_property: Any)
     library = bitsandbytes_entry(facts)
     record_property("state", json.dumps(facts["state"]))
     assert library.get("version") == BITSANDBYTES
-    assert facts["counter"] == 0
+    assert facts["process"]["counter"] == 0  # the command's own process: nothing quantized there
     assert library.get("affected") is (KIND == "affected"), library
-    assert facts["on"] is True and facts["state"] == "not affected", facts  # nothing quantized in the command
-    if KIND == "affected":
-        assert f"only such weights leak, in bitsandbytes {BITSANDBYTES}" in facts["reason"]
+    assert facts["on"] is True, facts
+    if KIND == "affected":  # what a job here gets (issue 51)
+        assert facts["state"] == "protected", facts
+        assert f"bitsandbytes {BITSANDBYTES}'s hooks leak this way, and the fix is in them" in facts["reason"]
     else:
-        assert SWITCHED_OFF in facts["reason"], facts
+        assert facts["state"] == "not affected", facts
+        assert "hooks do not leak this way" in facts["reason"], facts
 
 
 # Public API only: what a user on this release sees.
