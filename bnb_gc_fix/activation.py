@@ -16,8 +16,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import _bnb_gc_fix as startup
-from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import census, lock
+from bnb_gc_fix.libraries import LIBRARIES, Library
 from bnb_gc_fix.lines import message
 from bnb_gc_fix.releases import MIN_TORCH, release, version_of
 from bnb_gc_fix.warning import PatchSkippedWarning, SwitchValueWarning, logger, warn_quietly

@@ -12,10 +12,6 @@ from typing import Any
 
 PARAMETRIZE = "torch.nn.utils.parametrize"
 
-#: Advice that holds wherever it is given: reset() inside an open ``P.cached()`` block leaves the counter
-#: at -1 when the block ends, and the cache on for good.
-RESET_ADVICE = "bnb_gc_fix.reset() switches it off, once no forward runs and no P.cached() block is open"
-
 
 def parametrize() -> Any:
     """torch's parametrize module, or None while nothing has imported it."""

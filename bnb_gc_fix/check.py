@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from _bnb_gc_fix import BITSANDBYTES
 from bnb_gc_fix.installed import try_import
 from bnb_gc_fix.ledger import reset
+from bnb_gc_fix.libraries import BITSANDBYTES
 from bnb_gc_fix.releases import MIN_TORCH, release
 from bnb_gc_fix.status import status
 

@@ -12,9 +12,9 @@ from typing import Any, NoReturn
 
 from packaging.version import InvalidVersion, Version
 
-from _bnb_gc_fix import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix import __version__
 from bnb_gc_fix.installed import distribution_version, has_module, try_import
+from bnb_gc_fix.libraries import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix.lines import counted, labelled, wrap
 from bnb_gc_fix.releases import version_of
 from bnb_gc_fix.status import NOT_AFFECTED, Status, status

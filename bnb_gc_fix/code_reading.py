@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.nn.utils.parametrize as P
 
-from _bnb_gc_fix import Library
+from bnb_gc_fix.libraries import Library
 from bnb_gc_fix.reading import Kind, Reading
 
 ADDS = "adds 1"

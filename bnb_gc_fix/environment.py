@@ -15,8 +15,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import _bnb_gc_fix as startup
-from _bnb_gc_fix import LIBRARIES, Library
 from bnb_gc_fix import activation, releases
+from bnb_gc_fix.libraries import LIBRARIES, Library
 from bnb_gc_fix.lines import possessive
 from bnb_gc_fix.status import NOT_AFFECTED, PROTECTED, STATES, UNPROTECTED
 

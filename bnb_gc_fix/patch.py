@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import wrapt
 
-from _bnb_gc_fix import Library
 from bnb_gc_fix import cover, hooks, reading
+from bnb_gc_fix.libraries import Library
 
 #: What the wrapper does once the library's register function returned on the first real module: decide
 #: from what it registered there.

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.nn.utils.parametrize as P
 
-from _bnb_gc_fix import Library
 from bnb_gc_fix import census, hooks
+from bnb_gc_fix.libraries import Library
 
 
 class Kind(Enum):

@@ -7,7 +7,7 @@ import sys
 
 from packaging.version import InvalidVersion, Version
 
-from _bnb_gc_fix import Library
+from bnb_gc_fix.libraries import Library
 
 MIN_TORCH = Version("2.1")  # forward hooks that torch calls when the forward raises (always_call)
 

@@ -3,7 +3,8 @@
 Every fact of the process is read when ``status()`` is called (the libraries imported and their versions,
 the module objects the fix decided for, the modules quantized with them, torch's counter), beside what
 the activations decided (``activation.fix``). It imports nothing and never raises. One situation has one
-state, whatever the switch says: a state says whether code that leaks this way is in use here.
+state, whatever the switch says: a state says whether code that leaks this way is in use here. The words
+it says them in are ``status_lines.py``'s.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import _bnb_gc_fix as startup
-from _bnb_gc_fix import BITSANDBYTES, LIBRARIES, Library
-from bnb_gc_fix import activation, cache, census, cover, ledger, releases
+from bnb_gc_fix import activation, cache, census, cover, ledger, releases, status_lines
 from bnb_gc_fix.installed import has_module
-from bnb_gc_fix.lines import counted, labelled, possessive
+from bnb_gc_fix.libraries import LIBRARIES, Library
+from bnb_gc_fix.lines import possessive
 
 # The states, worst first: where several libraries are imported, status() reports the worst.
 UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's code, the fix not in it
@@ -85,89 +86,18 @@ class Status:
         return next(library for library in self.libraries if library.name == name)
 
     def lines(self, who_turned_it_on: bool = True) -> list[str]:
-        """What ``print(status())`` shows: state, fix, cache, and another library only where one is
-        imported beside the one the state comes from. ``who_turned_it_on=False``: ``bnb-gc-fix``'s own
-        process, where the command itself turned the fix on."""
-        lines = [self.state_line(), self.fix_line(who_turned_it_on), self.cache_line()]
-        others = [lib for lib in self.libraries if lib.version is not None and lib is not self.worst]
-        lines += [labelled(f"{lib.name} {lib.version}", f"{lib.state}: {lib.reason}") for lib in others]
-        return lines
+        """What ``print(status())`` shows (``bnb_gc_fix.status_lines``). ``who_turned_it_on=False``:
+        ``bnb-gc-fix``'s own process, where the command itself turned the fix on."""
+        return status_lines.lines(self, who_turned_it_on)
 
     def state_line(self) -> str:
-        return labelled("state", f"{self.state}: {self.reason}")
+        return status_lines.state_line(self)
 
     def fix_line(self, who_turned_it_on: bool = True) -> str:
-        switch = f"{startup.VARIABLE} unset" if self.switch is None else f"{startup.VARIABLE}={self.switch!r}"
-        if self.turned_on_by is None:
-            return labelled("fix", f"off ({switch})")
-        not_needed_by = self._not_needed_by()
-        if not_needed_by:
-            text = f"not needed here: the hooks of {not_needed_by} do not leak this way ({switch})"
-            return labelled("fix", text)
-        if who_turned_it_on:
-            text = f"on, turned on by {self.turned_on_by} ({switch})"
-        else:
-            text = f"on ({switch})"
-        said_the_hook = who_turned_it_on and self.turned_on_by == activation.STARTUP_HOOK
-        return labelled("fix", text + self._elsewhere_text(said_the_hook))
-
-    def _not_needed_by(self) -> str:
-        """The libraries imported here, if every one of them was read not to leak and the fix is in none of
-        them (else "")."""
-        imported = [library for library in self.libraries if library.version is not None]
-        if not imported or any(library.affected is not False or library.fixed for library in imported):
-            return ""
-        return " and ".join(f"{library.name} {library.version}" for library in imported)
-
-    def _elsewhere_text(self, said_the_hook: bool) -> str:
-        """What the start-up hook means for this environment's other processes, where that is news."""
-        if not self.start_up_hook_ran:
-            return (
-                "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
-                "fix (docs/reference.md: where the start-up hook cannot run)"
-            )
-        if said_the_hook:
-            return ""
-        if BITSANDBYTES.module_name in self.watching:
-            waits = f"it waits for {BITSANDBYTES.module_name}, not imported yet"
-            return (
-                f"; the start-up hook ran here too ({waits}), and turns the fix on at that import in "
-                "processes that never import bnb_gc_fix"
-            )
-        return "; processes here that never import bnb_gc_fix get it too (the start-up hook runs in them)"
-
-    def cache_line(self) -> str:
-        if self.counter is None:
-            return labelled("cache", "not in use (torch's parametrize module is not imported)")
-        switched = "on" if self.counter else "off"
-        text = f"{switched}, counter {self.counter}, {self.cache_bytes} bytes"
-        if self.counter - self.from_the_fix > 0:
-            text += f"; {self.who_keeps_it_on()}"
-        return labelled("cache", text)
+        return status_lines.fix_line(self, who_turned_it_on)
 
     def who_keeps_it_on(self) -> str:
-        """What keeps the cache on beyond the fix's own forwards: modules that leak this way first, else
-        what may (a Ctrl-C in hooks the fix is not in and that do not need it, an open P.cached() block,
-        a forward on another thread), and when reset() is safe."""
-        leaking = [library for library in self.libraries if library.leaking]
-        if leaking:
-            named = " and ".join(f"{possessive(library.name)} own hooks" for library in leaking)
-            why = "the fix is off" if self.turned_on_by is None else "the fix is not in them"
-            return f"left on by {named} ({why})"
-        causes = [
-            f"a Ctrl-C inside a forward of {possessive(f'{library.name} {library.version}')} own hooks"
-            for library in self.libraries
-            if library.affected is False and not library.fixed
-        ]
-        causes += [
-            "a P.cached() block still open",
-            "a forward running on another thread or begun before the fix was on",
-        ]
-        said = f"bnb-gc-fix cannot tell what else switched it on ({'; '.join(causes)}). If nothing keeps it "
-        said += f"on on purpose, {cache.RESET_ADVICE}"
-        if self.from_the_fix:
-            said = f"the fix's own forwards account for {self.from_the_fix} of it; {said}"
-        return said
+        return status_lines.who_keeps_it_on(self)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -182,17 +112,6 @@ class _Found(NamedTuple):
     leaking: int = 0
 
 
-def _nothing_quantized(library: Library, leaking_release: str | None = None) -> str:
-    """No module quantized that way; ``leaking_release``: the release whose hooks were read to leak."""
-    said = f"no module in this process has weights quantized with {library.quantizer_name} now"
-    notes = []
-    if leaking_release is not None:
-        notes.append(f"only such weights leak, in {library.name} {leaking_release}")
-    if library is BITSANDBYTES:
-        notes.append("BitsAndBytesConfig's Linear4bit layers never use the cache")
-    return f"{said} ({'; '.join(notes)})" if notes else said
-
-
 def _cross_check(library: Library, version: str, leaks: bool) -> str:
     """Where the release number says otherwise than what the library's code was read to do, a clause that
     says so (else nothing)."""
@@ -205,34 +124,11 @@ def _cross_check(library: Library, version: str, leaks: bool) -> str:
     return f" ({library.name} {version} does not, though {releases_named} do)"
 
 
-def _quantized_here(library: Library, number: int) -> str:
-    """``3 modules quantized here with replace_parameter_4bit``."""
-    return f"{counted(number, 'module')} quantized here with {library.quantizer_name}"
-
-
-def _leak_this_way(library: Library, number: int) -> str:
-    """``3 modules quantized here with replace_parameter_4bit leak this way``."""
-    verb = "leaks" if number == 1 else "leak"
-    return f"{_quantized_here(library, number)} {verb} this way"
-
-
-def _covering(library: Library, covered: int, at_next_forward: int) -> str:
-    """``the fix covers 3 modules quantized here with replace_parameter_4bit``, and those it covers at their
-    next forward (quantized before it was on)."""
-    if not at_next_forward:
-        return f"the fix covers {_quantized_here(library, covered)}"
-    later = "at their next forward" if at_next_forward > 1 else "at its next forward"
-    before = "(quantized before it was on)"
-    if not covered:
-        return f"the fix covers {_quantized_here(library, at_next_forward)} {later} {before}"
-    return f"the fix covers {_quantized_here(library, covered)}, and {at_next_forward} more {later} {before}"
-
-
 def _without_the_fix(library: Library, why: str) -> _Found:
     """Where the fix is not in the library's code: the modules that leak decide the state."""
     leaking = census.leaking_modules(library.module_name)
     if leaking:
-        return _Found(UNPROTECTED, f"{_leak_this_way(library, leaking)}: {why}", leaking=leaking)
+        return _Found(UNPROTECTED, f"{status_lines.leak_this_way(library, leaking)}: {why}", leaking=leaking)
     said = f"no module quantized here with {library.quantizer_name} leaks this way now. Weights quantized "
     said += f"that way would run without the fix: {why}"
     return _Found(NOT_AFFECTED, said)
@@ -250,7 +146,7 @@ def _said(decision: activation.Decision) -> str:
 def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
     uncoverable = cover.number_uncoverable(library.name)
     if uncoverable:
-        said = f"{_leak_this_way(library, uncoverable)}: the fix is in "
+        said = f"{status_lines.leak_this_way(library, uncoverable)}: the fix is in "
         said += f"{possessive(library.name)} hooks, but another function stands in the place of its pre-hook "
         said += "there (another tool's), so the fix cannot cover them"
         return _Found(UNPROTECTED, said, leaking=uncoverable)
@@ -258,10 +154,10 @@ def _with_the_fix(library: Library, version: str, decision: activation.Decision)
     at_next_forward = cover.number_awaiting(library.name, census.noted(library.module_name))
     checked = _cross_check(library, version, leaks=True) if _read_to_leak(decision) else ""
     if covered or at_next_forward:
-        said = f"{_covering(library, covered, at_next_forward)}{checked}"
+        said = f"{status_lines.covering(library, covered, at_next_forward)}{checked}"
         return _Found(PROTECTED, said, covered=covered, at_next_forward=at_next_forward)
     leaking_release = version if _read_to_leak(decision) else None
-    return _Found(NOT_AFFECTED, f"{_nothing_quantized(library, leaking_release)}{checked}")
+    return _Found(NOT_AFFECTED, f"{status_lines.nothing_quantized(library, leaking_release)}{checked}")
 
 
 def _not_needed(library: Library, version: str, decision: activation.Decision) -> _Found:
@@ -284,9 +180,9 @@ def _waiting(library: Library) -> _Found:
     reads += "and goes in there where it leaks"
     leaking = census.leaking_modules(library.module_name, census.noted(library.module_name))
     if leaking:
-        said = f"{_leak_this_way(library, leaking)}, quantized before that: {reads}"
+        said = f"{status_lines.leak_this_way(library, leaking)}, quantized before that: {reads}"
         return _Found(UNPROTECTED, said, leaking=leaking)
-    return _Found(NOT_AFFECTED, f"{_nothing_quantized(library)}; {reads}")
+    return _Found(NOT_AFFECTED, f"{status_lines.nothing_quantized(library)}; {reads}")
 
 
 def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> str:
@@ -333,7 +229,7 @@ def _not_imported(library: Library, version: str | None) -> _Found:
         return _Found(
             NOT_AFFECTED, f"{library.name} {version} has no {library.module_name}: nothing of this leak"
         )
-    return _Found(NOT_AFFECTED, _nothing_quantized(library))
+    return _Found(NOT_AFFECTED, status_lines.nothing_quantized(library))
 
 
 def _found(library: Library, version: str | None) -> _Found:

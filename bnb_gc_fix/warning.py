@@ -9,7 +9,7 @@ import sys
 import warnings
 from types import FrameType
 
-from _bnb_gc_fix import LIBRARIES
+from bnb_gc_fix.libraries import LIBRARIES
 
 logger = logging.getLogger("bnb_gc_fix")
 

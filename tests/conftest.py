@@ -43,9 +43,13 @@ def installed(distribution: str) -> str | None:
 
 
 def _affected_range() -> tuple[str, str]:
-    """bitsandbytes' affected range as the package under test states it (``_bnb_gc_fix``, its one
-    place), read in a fresh interpreter: importing the package here would activate the fix in pytest."""
-    code = "from _bnb_gc_fix import BITSANDBYTES as B\nprint(B.first_affected, B.first_fixed)\n"
+    """bitsandbytes' affected range as the package under test states it (``bnb_gc_fix.libraries``, its
+    one place), read in a fresh interpreter: importing the package here would activate the fix in pytest."""
+    code = (  # bnb_gc_fix.libraries; _bnb_gc_fix in a checkout from before it (BNB_GC_FIX_TEST_AGAINST)
+        "try:\n    from bnb_gc_fix.libraries import BITSANDBYTES as B\n"
+        "except ImportError:\n    from _bnb_gc_fix import BITSANDBYTES as B\n"
+        "print(B.first_affected, B.first_fixed)\n"
+    )
     against = os.environ.get("BNB_GC_FIX_TEST_AGAINST")
     env = {k: v for k, v in os.environ.items() if k not in ("BNB_GC_FIX", "PYTHONPATH")}
     env["BNB_GC_FIX"] = "0"  # nothing to activate: only the range is read

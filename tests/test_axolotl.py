@@ -248,16 +248,13 @@ def test_cli_status_lists_axolotl() -> None:
     (_, line, _), (_, text, _) = cli_calls(["status", "--json"], ["status"], env=env, fresh=FRESH)
     facts = json.loads(line)
     axolotl = next(lib for lib in facts["libraries"] if lib["name"] == "axolotl")
-    assert axolotl["version"] == "0.19.0" and axolotl["affected"] is None  # read where it first quantizes
+    assert axolotl["version"] == "0.19.0" and axolotl["affected"] is True  # read from its code at import
     said = (
-        "no module in this process has weights quantized with quantize_moe_experts now; the fix reads what "
-        "replace_parameter_8bit() registers on the next module it quantizes, and goes in there where it "
-        "leaks"
+        "a job here that quantizes with quantize_moe_experts gets the fix: axolotl 0.19.0's hooks leak this "
+        "way, and the fix is in them"
     )
-    assert axolotl["state"] == "not affected" and said in unwrapped(axolotl["reason"])
-    assert f"axolotl 0.19.0: not affected: {said}" in unwrapped(
-        text
-    )  # a line of its own, beside bitsandbytes
+    assert axolotl["state"] == "protected" and said == unwrapped(axolotl["reason"])
+    assert f"axolotl 0.19.0: protected: {said}" in unwrapped(text)  # a line of its own, beside bitsandbytes
 
 
 def test_a_register_function_that_quantizes_is_never_called_at_import_and_fails_alone() -> None:
@@ -296,9 +293,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 import axolotl_moe8bit
 model = axolotl_moe8bit.build(layers=3)  # quantized before the fix is on: axolotl's own plain pairs
-import bnb_gc_fix
+import bnb_gc_fix  # reads axolotl's code: its functions get the fix's code
 state_before = next(lib.state for lib in bnb_gc_fix.status().libraries if lib.name == "axolotl")
-axolotl_moe8bit.build(layers=1)  # the next module axolotl quantizes: the fix reads what it registers
 before = axolotl_moe8bit.hook_counts(model)
 x = torch.randn(4, 32)
 counters = []
@@ -313,9 +309,11 @@ print(json.dumps(dict(before=before, after=after, counters=counters, state_befor
 """
 
 
-def test_a_model_quantized_by_axolotl_before_the_fix_is_covered_once_axolotl_quantizes_again() -> None:
+def test_a_model_quantized_by_axolotl_before_the_fix_is_covered_at_its_next_forward() -> None:
     facts = _snippet(QUANTIZED_BEFORE_THE_FIX, prelude="scenarios-without-startup-hook")
-    assert facts["state_before"] == "unprotected"  # its modules leak, until the fix has read axolotl's code
+    assert (
+        facts["state_before"] == "protected"
+    )  # the fix read axolotl's code: each covered at its next forward
     assert facts["before"]["always_called"] == 0 and facts["after"]["always_called"] == 1
     assert facts["counters"] == [0, 0, 0]
 

@@ -1,8 +1,8 @@
 """The canary: what bnb-gc-fix relies on inside torch and bitsandbytes, checked on the installed releases.
 
-The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, calls
-bitsandbytes' register function on a throwaway module to read what it registers, gives the two hook
-functions it finds its code, and wraps the register function. None of that is a public API
+The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, reads
+bitsandbytes' register function's code (or what it registers on a module quantized with it), gives the
+two hook functions it finds its code, and wraps the register function. None of that is a public API
 of torch or bitsandbytes: a new release may change any of it. Each test here states one such fact
 and fails loudly (it never skips) when the installed release no longer has it; the cell ``latest``
 (cells.toml) runs it on the newest torch, bitsandbytes and transformers of the day, and the README's

@@ -38,8 +38,8 @@ def _releases() -> dict[str, tuple[str, str]]:
     """Each library's first affected and first fixed release, as the package states them (read in a
     fresh interpreter, from the module the start-up hook loads)."""
     code = (
-        "import _bnb_gc_fix, json; "
-        "print(json.dumps({l.name: [l.first_affected, l.first_fixed] for l in _bnb_gc_fix.LIBRARIES}))"
+        "import json; from bnb_gc_fix.libraries import LIBRARIES; "
+        "print(json.dumps({l.name: [l.first_affected, l.first_fixed] for l in LIBRARIES}))"
     )
     found = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
     return {name: (first, fixed) for name, (first, fixed) in found.items()}

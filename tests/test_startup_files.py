@@ -174,3 +174,24 @@ def test_this_python_is_not_one_that_runs_start_files() -> None:
     # emulation is replaced by the real thing there.
     if sys.version_info >= (3, 15):
         pytest.fail("Python 3.15+ runs .start files: test zz_bnb_gc_fix.start on it directly")
+
+
+# --- what the start-up module holds ---------------------------------------------------------------
+
+# Issue 51: the start-up module, loaded into every Python process, holds the watched modules' names and
+# nothing used only in messages; the package says the rest of each library, and the two agree.
+WATCHED_AND_SAID = """
+import json
+import _bnb_gc_fix
+from bnb_gc_fix.libraries import LIBRARIES
+print(json.dumps({
+    "watched": list(_bnb_gc_fix.WATCHED),
+    "said": [library.module_name for library in LIBRARIES],
+    "message_names": [name for name in ("Library", "LIBRARIES", "AXOLOTL") if hasattr(_bnb_gc_fix, name)],
+}))
+"""
+
+
+def test_the_start_up_module_watches_the_libraries_the_package_names_and_holds_no_message() -> None:
+    out = run_code(WATCHED_AND_SAID, switch="0").last_json
+    assert out["watched"] == out["said"] and out["message_names"] == []

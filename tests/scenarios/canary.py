@@ -203,10 +203,9 @@ def _bitsandbytes() -> None:
     import bitsandbytes
     from bitsandbytes.nn import parametrize as bnb
 
-    import _bnb_gc_fix  # the package's statement of the library
+    from bnb_gc_fix import libraries
 
-    target = _bnb_gc_fix.BITSANDBYTES
-
+    target = libraries.BITSANDBYTES  # the package's statement of the library
     group = FACTS["bitsandbytes"]
     group["version"] = getattr(bitsandbytes, "__version__", None)
     group["target_module"] = target.module_name == bnb.__name__

@@ -1,0 +1,58 @@
+"""The libraries whose modules may register the leaking pair of hooks, and what the package says of each.
+
+The start-up hook knows only the modules' names (``_bnb_gc_fix.WATCHED``); everything else lives here,
+imported with the package.
+"""
+
+from __future__ import annotations
+
+
+class Library:
+    """A library whose module may register the leaking pair of hooks on the modules it quantizes. What the
+    pair does is read from the library's code when its module is imported (``bnb_gc_fix.reading``); the
+    releases named here are only the cross-check that ``status()`` explains a disagreement with."""
+
+    __slots__ = (
+        "first_affected",
+        "first_fixed",
+        "module_name",
+        "name",
+        "quantizer_name",
+        "register_name",
+    )
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        module_name: str,
+        register_name: str,
+        quantizer_name: str,
+        first_affected: str,
+        first_fixed: str,
+    ) -> None:
+        self.name = name
+        self.module_name = module_name  # the module whose code registers the pair
+        self.register_name = register_name  # the name of that module's function that registers the pair
+        self.quantizer_name = quantizer_name  # the name of what users call, which calls that function
+        self.first_affected = first_affected  # the first release that registers the leaking pair
+        self.first_fixed = first_fixed  # the first release whose "off" hook runs when a forward raises
+
+
+BITSANDBYTES = Library(
+    name="bitsandbytes",
+    module_name="bitsandbytes.nn.parametrize",
+    register_name="_register_parametrization_hooks",
+    quantizer_name="replace_parameter_4bit",
+    first_affected="0.48.0",
+    first_fixed="0.50.0",
+)
+AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
+    name="axolotl",
+    module_name="axolotl.monkeypatch.moe_quant",
+    register_name="replace_parameter_8bit",
+    quantizer_name="quantize_moe_experts",
+    first_affected="0.15.0",
+    first_fixed="0.20.0",
+)
+LIBRARIES = (BITSANDBYTES, AXOLOTL)
