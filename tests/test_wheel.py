@@ -140,7 +140,8 @@ def test_console_script_status_json(tmp_path: Path) -> None:
     result = run_python(["status", "--json"], executable=console, cwd=tmp_path, fresh=fresh)
     assert result.returncode == 0, result.stderr
     facts = json.loads(result.stdout)
-    assert facts["on"] is True and facts["state"] == "not affected"  # the command quantizes nothing
+    assert facts["on"] is True and facts["process"]["state"] == "not affected"  # it quantizes nothing
+    assert facts["state"] == ("protected" if AFFECTED else "not affected")  # what a job here gets
     [library] = [lib for lib in facts["libraries"] if lib["name"] == "bitsandbytes"]
     assert library["version"] == BITSANDBYTES, library
     assert library["affected"] is AFFECTED, library
