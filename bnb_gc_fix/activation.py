@@ -213,6 +213,13 @@ def _read_switch() -> str:
     return startup.AUTO if mode is None else mode
 
 
+def _may_have_quantized(library: Library, module: ModuleType) -> bool:
+    """Whether modules quantized with the library's module may be alive that the fix never saw: it was
+    imported before the fix turned on, or where the fix could not see it. Not so where the start-up hook
+    imports the package because that module's code has just run."""
+    return not decided_for(library, module) and not startup.importing_package
+
+
 def activate(via: str = ACTIVATE) -> None:
     """Turn the fix on as ``BNB_GC_FIX`` says now: decide for each library's module now if it is imported,
     else the moment it is. Idempotent; never raises (a problem becomes a warning and a reason in status())."""
@@ -227,7 +234,7 @@ def activate(via: str = ACTIVATE) -> None:
                 module = _imported_whole(library)
                 if module is None:
                     continue
-                if not decided_for(library, module):  # imported before the fix was on, or unseen
+                if _may_have_quantized(library, module):
                     census.note_the_leaking(library.module_name)  # once: status() looks them up
                 _decide(library, module)
     except Exception as error:  # never into the user's import

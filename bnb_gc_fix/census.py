@@ -5,7 +5,8 @@ that torch does not always call: what a library that leaks registers, and what t
 Finding them means reading every object Python's collector tracks (about 0.1-0.2 µs each: tens of
 milliseconds to a second in a large process). ``status()`` does that only where the fix does not see the
 modules quantized (the fix off, its hooks not fixable, a library module imported where it could not see
-it). Where the fix turns on after a library's module was imported, the modules quantized before are read
+it). Where the fix turns on after a library's module was imported (a late ``import bnb_gc_fix`` or
+``activate()``, never the start-up hook's import at that module's), the modules quantized before are read
 once, then and there, and noted: ``status()`` looks them up. A module awaiting collection (garbage in a
 reference cycle) counts as alive until the collector frees it.
 """

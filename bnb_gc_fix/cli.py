@@ -17,7 +17,7 @@ from bnb_gc_fix.installed import distribution_version, has_module, try_import
 from bnb_gc_fix.libraries import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix.lines import counted, labelled, wrap
 from bnb_gc_fix.releases import version_of
-from bnb_gc_fix.status import NOT_AFFECTED, Status, status
+from bnb_gc_fix.status import NOT_AFFECTED, Status, status, worst_of
 
 EXIT_PROTECTED = 0  # check: no leak, either way
 EXIT_LEAK = 1  # check: the cache stayed switched on, or the adapter's step died with a CheckpointError
@@ -106,7 +106,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     problems = _import_the_libraries()
     current = status()
     answers = environment.answers()
-    answer = environment.worst(answers)
+    answer = worst_of(answers)
     if args.json:
         facts: dict[str, Any] = {**_versions(), "imported": _imported_versions()}
         facts.update(state=answer.state, reason=answer.reason, libraries=[each.as_dict() for each in answers])

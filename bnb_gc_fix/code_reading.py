@@ -13,6 +13,7 @@ another shape), this reading says nothing, and the first module the library quan
 from __future__ import annotations
 
 import dis
+import inspect
 from types import CodeType, FunctionType, ModuleType
 from typing import Any
 
@@ -62,7 +63,7 @@ def read(library: Library, module: ModuleType, register: Any) -> Reading | None:
     code = getattr(register, "__code__", None)
     if not isinstance(code, CodeType):
         return None
-    registered = _registrations(code, vars(module))
+    registered = _registrations(code, register.__globals__)  # the names its code loads are these
     if registered is None:
         return None
     (pre_hook, pre_always), (off_hook, off_always) = registered
@@ -135,9 +136,39 @@ def _until_the_call(instructions: list[dis.Instruction], consts: tuple[Any, ...]
 def _does(function: Any) -> str | None:
     """Which known hook ``function``'s code is (torch's parametrize module under any global name)."""
     code = function.__code__
-    names = tuple("P" if function.__globals__.get(name) is P else name for name in code.co_names)
+    names = tuple(_as_known(name, function.__globals__) for name in code.co_names)
     for what, known in _KNOWN_CODE.items():
-        same = code.co_code == known.co_code and code.co_consts == known.co_consts
-        if same and names == known.co_names and code.co_argcount == known.co_argcount:
+        if names == known.co_names and _same_code(code, known):
             return what
     return None
+
+
+def _as_known(name: str, namespace: dict[str, Any]) -> str:
+    """``name`` as the known hooks spell it: ``P`` where it is torch's parametrize module; a name the known
+    hooks never use where ``P`` is something else."""
+    if namespace.get(name) is P:
+        return "P"
+    return "<not torch's parametrize>" if name == "P" else name
+
+
+def _same_code(code: CodeType, known: CodeType) -> bool:
+    """The same bytecode, constants, arguments and kind of function (an ``async def`` is not a hook)."""
+    return (
+        code.co_code == known.co_code
+        and code.co_consts == known.co_consts
+        and code.co_argcount == known.co_argcount
+        and code.co_kwonlyargcount == known.co_kwonlyargcount
+        and code.co_posonlyargcount == known.co_posonlyargcount
+        and code.co_flags & _KIND == known.co_flags & _KIND
+    )
+
+
+#: The flags that say what kind of function a code object is (``__future__`` imports set others).
+_KIND = (
+    inspect.CO_VARARGS
+    | inspect.CO_VARKEYWORDS
+    | inspect.CO_GENERATOR
+    | inspect.CO_COROUTINE
+    | inspect.CO_ITERABLE_COROUTINE
+    | inspect.CO_ASYNC_GENERATOR
+)

@@ -112,10 +112,6 @@ def covered_ids() -> dict[int, weakref.ref[Any]]:
     return _covered
 
 
-def is_covered(module: Any) -> bool:
-    return id(module) in _covered
-
-
 def is_uncoverable(module: Any) -> bool:
     return id(module) in _uncoverable
 

@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-import _bnb_gc_fix as startup
-from bnb_gc_fix import activation, releases
+from bnb_gc_fix import activation, releases, status_lines
+from bnb_gc_fix.installed import has_module
 from bnb_gc_fix.libraries import LIBRARIES, Library
 from bnb_gc_fix.lines import possessive
-from bnb_gc_fix.status import NOT_AFFECTED, PROTECTED, STATES, UNPROTECTED
+from bnb_gc_fix.status import NOT_AFFECTED, PROTECTED, UNPROTECTED
 
 if TYPE_CHECKING:  # reading imports torch: imported where a library's module is, so torch is too
     from bnb_gc_fix.reading import Reading
@@ -44,21 +44,13 @@ def answers() -> tuple[Answer, ...]:
     return tuple(_answer(library) for library in LIBRARIES)
 
 
-def worst(found: tuple[Answer, ...]) -> Answer:
-    """The answer the environment's state comes from: the worst of the libraries imported, else
-    bitsandbytes'."""
-    imported = [answer for answer in found if answer.version is not None]
-    return min(imported or found[:1], key=lambda answer: STATES.index(answer.state))
-
-
 def _answer(library: Library) -> Answer:
     version = releases.version_of(library.name)
     module = sys.modules.get(library.module_name)
     if version is None:
         return Answer(library.name, None, None, False, NOT_AFFECTED, _not_imported(library))
     if module is None:
-        said = f"{library.name} {version} has no {library.module_name}: nothing of this leak"
-        return Answer(library.name, version, False, False, NOT_AFFECTED, said)
+        return _module_not_imported(library, version)
     try:
         what, fixed = _read(library, module)
     except Exception as error:  # an install we cannot read: said, never raised
@@ -66,6 +58,17 @@ def _answer(library: Library) -> Answer:
         return Answer(library.name, version, None, False, UNPROTECTED, said)
     state, reason = _verdict(library, version, what, fixed)
     return Answer(library.name, version, None if what is None else what.leaks, fixed, state, reason)
+
+
+def _module_not_imported(library: Library, version: str) -> Answer:
+    """The library is imported, its module that registers the pair not: a release from before it had one,
+    or one that fails to import here (the command says what it raised)."""
+    if not has_module(library.module_name):
+        return Answer(
+            library.name, version, False, False, NOT_AFFECTED, status_lines.no_module(library, version)
+        )
+    said = f"{library.module_name} could not be imported here, so bnb-gc-fix cannot tell what its hooks do"
+    return Answer(library.name, version, None, False, UNPROTECTED, said)
 
 
 def _not_imported(library: Library) -> str:
@@ -122,4 +125,4 @@ def _leaking(library: Library, job: str, hooks: str, fixed: bool) -> tuple[str, 
 
 
 def _switch() -> str:
-    return f"{startup.VARIABLE}={activation.fix.switch!r}; unset it to turn the fix on"
+    return status_lines.switched_off_by(activation.fix.switch)

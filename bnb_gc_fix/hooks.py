@@ -1,6 +1,7 @@
 """The code a library's two hook functions get once the fix is in them (``bnb_gc_fix.patch``).
 
-The functions keep their identity: only their ``__code__`` and ``__kwdefaults__`` become these. They run
+The functions keep their identity: only their ``__code__``, ``__defaults__`` (none) and ``__kwdefaults__``
+become these. They run
 with the library's module as their globals, so every name they use comes through a keyword-only default,
 bound here (tests/test_gate.py checks that they load no global): called with an argument too many, they
 raise ``TypeError`` as the library's own do. ``inspect.signature`` and ``help()`` show the library's own
@@ -30,7 +31,8 @@ _compiling = getattr(torch.compiler, "is_dynamo_compiling", _never_compiling)
 
 
 def _ticket() -> int:
-    """The next ticket; 0 inside a torch.compile trace (Dynamo would compile anew for each ticket)."""
+    """The next ticket; 0 inside a torch.compile trace (Dynamo would compile anew for each ticket). The
+    pre-hook's fast path writes this out, with no call."""
     return 0 if _compiling() else next(ledger.tickets)
 
 
@@ -71,7 +73,7 @@ def pre_hook_code(
     _covered: dict[int, Any] = cover.covered_ids(),  # noqa: B008 (bound once, on purpose)
     _tickets: Iterator[int] = ledger.tickets,
     _compiling: Callable[[], bool] = _compiling,
-    _uncovered: Callable[[Any], bool] = covered_or_switched_on,
+    _cover_or_switch_on: Callable[[Any], bool] = covered_or_switched_on,
     _switch_off: Callable[[Any, int], None] = cache.switch_off,
 ) -> None:
     """The pre-hook: switch the cache on for the module on this thread, covering the module first if that
@@ -79,7 +81,7 @@ def pre_hook_code(
     each ticket): no notebook cell switches it off; the module's next forward does."""
     key = id(module)
     if key not in _covered:
-        covered = _uncovered(module)
+        covered = _cover_or_switch_on(module)
         if not covered:
             return
     switch_ons = _local.switch_ons
@@ -96,7 +98,7 @@ def off_hook_code(
     *,
     _P: Any = P,  # noqa: N803 (torch's own name for the module)
     _local: Any = ledger.local,
-    _uncovered: Callable[[Any], None] = switch_off_uncovered,
+    _switch_off_uncovered: Callable[[Any], None] = switch_off_uncovered,
 ) -> None:
     """The off hook, always called on a covered module: switch off this thread's switch-on for the module
     (``switch_off_uncovered`` where it has none). The switch-off is ``cache.switch_off(_P, 1)`` written
@@ -104,7 +106,7 @@ def off_hook_code(
     key = id(module)
     switch_ons = _local.switch_ons
     if key not in switch_ons:
-        _uncovered(module)
+        _switch_off_uncovered(module)
         return
     remaining = _P._cache_enabled - 1
     if remaining > 0:

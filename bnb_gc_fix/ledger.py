@@ -118,8 +118,9 @@ def module_collected(key: int) -> None:
         switch_ons.forget_module(key)
 
 
-def switch_off_since(ticket: int) -> int:
-    """Switch off this thread's switch-ons made after ``ticket`` (a notebook cell's own); returns how many."""
+def switch_off_since(ticket: int) -> tuple[int, int]:
+    """Switch off this thread's switch-ons made after ``ticket`` (a notebook cell's own); returns how many
+    of covered modules' and how many of modules the fix cannot cover."""
     switch_ons = local.switch_ons
     covered = [key for key, taken in list(switch_ons.items()) if taken > ticket]
     uncovered = list(switch_ons.uncovered.items())
@@ -130,7 +131,7 @@ def switch_off_since(ticket: int) -> int:
         del switch_ons[key]
     for key, _ in uncovered:
         _keep_until(switch_ons.uncovered, key, ticket)
-    return count
+    return len(covered), len(later)
 
 
 def _keep_until(uncovered: dict[int, list[int]], key: int, ticket: int) -> None:
@@ -143,8 +144,10 @@ def _keep_until(uncovered: dict[int, list[int]], key: int, ticket: int) -> None:
 
 
 def count_every_thread() -> int:
-    """How many of the counter's switch-ons are the fix's forwards', on every thread."""
-    return sum(switch_ons.total() for switch_ons in list(_threads.values()))
+    """How many of the counter's switch-ons are the fix's own forwards' (covered modules'), on every
+    thread. Those of modules the fix cannot cover are not: an exception leaves them on, as the library's
+    own hooks do."""
+    return sum(len(switch_ons) for switch_ons in list(_threads.values()))
 
 
 def forget_every_thread() -> None:

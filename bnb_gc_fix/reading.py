@@ -1,12 +1,12 @@
-"""What a library's hooks do, read from what its code does, never from its version or the names of its hooks.
-
-Nothing of the library is called to read it: the fix wraps its register function, and the first module
-the library itself quantizes through it is read (``bnb_gc_fix.patch``): what the call registered there, a
-pre-hook and an off hook, and whether torch always calls the off hook. The pair found is then run against
-a stand-in of torch's parametrize module, a copy of each function whose globals hold only the stand-in and
-a few pure builtins, to see whether it is the pair the fix can take the place of: the pre-hook adds 1 to
-the counter, the off hook takes 1 off and empties the cache at 0. Nothing of the process's own state is
-read or written by either step.
+"""What a library's hooks do, read from what a module the library quantized holds, never from its version or
+the names of its hooks: where its register function's code does not say it plainly
+(``bnb_gc_fix.code_reading``), the fix wraps the register function, and the first module the library
+itself quantizes through it is read (``bnb_gc_fix.patch``): what the call registered there, a pre-hook and
+an off hook, and whether torch always calls the off hook. The pair found is then run against a stand-in
+of torch's parametrize module, a copy of each function whose globals hold only the stand-in and a few
+pure builtins, given as its module an object that holds nothing, to see whether it is the pair the fix
+can take the place of: the pre-hook adds 1 to the counter, the off hook takes 1 off and empties the cache
+at 0. Nothing of the process's own state is read or written by the run.
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
         said = f"{named} registers {len(pre_keys)} pre-hooks and {len(off_keys)} forward hooks, not one pair"
         return Reading(Kind.UNREADABLE, said)
     pair = (module._forward_pre_hooks[pre_keys[0]], module._forward_hooks[off_keys[0]])
-    return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named, module)
+    return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named)
 
 
-def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str, module: Any) -> Reading:
+def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Reading:
     """What a registered pair does, ``always_called`` where torch calls its off hook whatever happens."""
     if _is_the_fixs(pair):
         return Reading(Kind.LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
-    effect = _effect_on_a_stand_in(pair, module)
+    effect = _effect_on_a_stand_in(pair)
     replaceable = effect == SWITCHES and all(_plain_function(hook) for hook in pair)
     if always_called:
         said = f"{named} registers an off hook that torch calls even when a forward raises"
@@ -164,10 +164,18 @@ def _on_a_stand_in(hook: Any, counter: int, *arguments: Any) -> _StandIn:
     return stand_in
 
 
-def _effect_on_a_stand_in(pair: tuple[Any, Any], module: Any) -> str:
+class _NoModule:
+    """What the copies get as their module: an object that holds nothing and takes nothing, so that a hook
+    that uses its module fails to be read (the fix's code would not do what it does)."""
+
+    __slots__ = ()
+
+
+def _effect_on_a_stand_in(pair: tuple[Any, Any]) -> str:
     """SWITCHES where the pre-hook adds 1 to the counter, leaving the cache, and the off hook takes 1 off,
     emptying the cache only at 0 (what the fix's hooks do in their place); NEVER_SWITCHES where neither
-    touches them; else why not, in words. The copies get ``module`` as torch would give it them."""
+    touches them; else why not, in words."""
+    module = _NoModule()
     if not all(isinstance(_unwrapped(hook)[0], FunctionType) for hook in pair):
         return "they are not Python functions"
     pre_hook, off_hook = pair

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import _bnb_gc_fix as startup
 from bnb_gc_fix import activation, cache, census, cover, ledger, releases, status_lines
@@ -24,6 +24,25 @@ UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's c
 PROTECTED = "protected"  # the fix covers the modules quantized here with a leaking library's code
 NOT_AFFECTED = "not affected"  # nothing here is quantized with code that leaks this way, so far
 STATES = (UNPROTECTED, PROTECTED, NOT_AFFECTED)
+
+
+class _Stated(Protocol):
+    """A library with a state: a LibraryStatus, or ``bnb-gc-fix status``'s answer for one."""
+
+    @property
+    def version(self) -> str | None: ...
+
+    @property
+    def state(self) -> str: ...
+
+
+Stated = TypeVar("Stated", bound=_Stated)
+
+
+def worst_of(libraries: tuple[Stated, ...]) -> Stated:
+    """The one a state comes from: the worst of the libraries imported, else the first (bitsandbytes)."""
+    imported = [library for library in libraries if library.version is not None]
+    return min(imported or libraries[:1], key=lambda library: STATES.index(library.state))
 
 
 @dataclass(frozen=True)
@@ -57,8 +76,7 @@ class Status:
     @property
     def worst(self) -> LibraryStatus:
         """The library the state comes from: the worst of those imported, else bitsandbytes."""
-        imported = [library for library in self.libraries if library.version is not None]
-        return min(imported or self.libraries[:1], key=lambda library: STATES.index(library.state))
+        return worst_of(self.libraries)
 
     @property
     def state(self) -> str:
@@ -189,7 +207,7 @@ def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> s
     """Why the fix is not in the library's code now, and what puts it in."""
     fix = activation.fix
     if fix.turned_on_by is None:
-        return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
+        return f"the fix is off ({status_lines.switched_off_by(fix.switch)})"
     if decision.module is None:
         return (
             f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
@@ -226,9 +244,7 @@ def _not_imported(library: Library, version: str | None) -> _Found:
     if version is None:
         return _Found(NOT_AFFECTED, f"{library.name} is not imported in this process")
     if _release_without_the_module(library):
-        return _Found(
-            NOT_AFFECTED, f"{library.name} {version} has no {library.module_name}: nothing of this leak"
-        )
+        return _Found(NOT_AFFECTED, status_lines.no_module(library, version))
     return _Found(NOT_AFFECTED, status_lines.nothing_quantized(library))
 
 

@@ -12,7 +12,7 @@ from bnb_gc_fix.libraries import BITSANDBYTES, Library
 from bnb_gc_fix.lines import counted, labelled, possessive
 
 if TYPE_CHECKING:
-    from bnb_gc_fix.status import Status
+    from bnb_gc_fix.status import LibraryStatus, Status
 
 #: Advice that holds wherever it is given: reset() inside an open ``P.cached()`` block leaves the counter
 #: at -1 when the block ends, and the cache on for good.
@@ -20,6 +20,16 @@ RESET_ADVICE = "bnb_gc_fix.reset() switches it off, once no forward runs and no 
 
 
 # --- the phrases a library's reason is made of ---------------------------------------------------------
+def switched_off_by(switch: str | None) -> str:
+    """``BNB_GC_FIX='0'; unset it to turn the fix on``."""
+    return f"{startup.VARIABLE}={switch!r}; unset it to turn the fix on"
+
+
+def no_module(library: Library, version: str) -> str:
+    """A release from before the library had the module that registers the pair."""
+    return f"{library.name} {version} has no {library.module_name}: nothing of this leak"
+
+
 def nothing_quantized(library: Library, leaking_release: str | None = None) -> str:
     """No module quantized that way; ``leaking_release``: the release whose hooks were read to leak."""
     said = f"no module in this process has weights quantized with {library.quantizer_name} now"
@@ -52,6 +62,19 @@ def covering(library: Library, covered: int, at_next_forward: int) -> str:
     if not covered:
         return f"the fix covers {quantized_here(library, at_next_forward)} {later} {before}"
     return f"the fix covers {quantized_here(library, covered)}, and {at_next_forward} more {later} {before}"
+
+
+def _leaking_through(status: Status, library: LibraryStatus) -> str:
+    """What leaks the library's modules run: its own hooks, or, with the fix in them, modules the fix
+    cannot cover."""
+    if library.fixed:
+        modules = counted(library.leaking, "module")
+        return (
+            f"{modules} quantized here with {library.name} that the fix cannot cover (another tool's "
+            "function in front of their pre-hooks)"
+        )
+    why = "the fix is off" if status.turned_on_by is None else "the fix is not in them"
+    return f"{possessive(library.name)} own hooks ({why})"
 
 
 # --- a Status, printed ---------------------------------------------------------------------------------
@@ -128,9 +151,7 @@ def who_keeps_it_on(status: Status) -> str:
     a forward on another thread), and when reset() is safe."""
     leaking = [library for library in status.libraries if library.leaking]
     if leaking:
-        named = " and ".join(f"{possessive(library.name)} own hooks" for library in leaking)
-        why = "the fix is off" if status.turned_on_by is None else "the fix is not in them"
-        return f"left on by {named} ({why})"
+        return "left on by " + " and ".join(_leaking_through(status, library) for library in leaking)
     causes = [
         f"a Ctrl-C inside a forward of {possessive(f'{library.name} {library.version}')} own hooks"
         for library in status.libraries

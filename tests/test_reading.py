@@ -105,7 +105,8 @@ FROM_0_50_2 = {
 # Issue 51: importing bitsandbytes' 4-bit module runs none of its functions but its module's own code, and
 # makes no module of the fix's own; the fix is decided all the same, from the code (8dd19c6 called its
 # register function on a throwaway module, then copies of its hooks on a stand-in). Every call of a
-# function from the library's file is recorded while the module is imported.
+# function from the library's file is recorded while the module is imported, and every read of every
+# object Python's collector tracks (the modules quantized before a late import are found that way).
 AT_IMPORT = """
 import gc, torch
 def modules():
@@ -116,13 +117,17 @@ def record(frame, event, arg):
     code = frame.f_code
     if event == "call" and code.co_filename.endswith("parametrize.py") and "bitsandbytes" in code.co_filename:
         calls.append(code.co_name)
+walks = []
+read_every_object = gc.get_objects
+gc.get_objects = lambda *args: walks.append(1) or read_every_object(*args)
 sys.setprofile(record)
 import bitsandbytes.nn.parametrize
 sys.setprofile(None)
+gc.get_objects = read_every_object
 made = modules() - alive
 fix = sys.modules.get("bnb_gc_fix")
 fixed = fix.status().library("bitsandbytes").fixed if fix is not None else None
-print(json.dumps({"calls": calls, "modules": made, "fixed": fixed}))
+print(json.dumps({"calls": calls, "modules": made, "fixed": fixed, "walks": len(walks)}))
 """
 
 
@@ -132,6 +137,7 @@ def test_importing_the_library_runs_nothing_of_it_and_makes_no_module() -> None:
     assert control["calls"][0] == "<module>" and control["modules"] == 0  # its module's own code
     assert fixed["calls"] == control["calls"] and fixed["modules"] == 0  # nothing more of it ran
     assert fixed["fixed"] is True and control["fixed"] is None  # the fix decided from its code alone
+    assert fixed["walks"] == control["walks"] == 0  # and read no object: nothing was quantized before
 
 
 # A user's script on that release: quantize, three checkpointed steps, and what the package said.
