@@ -418,6 +418,11 @@ def write_results(name: str, result: dict[str, Any], text: str, quick: bool, out
     print(f"wrote {shown} (raw: {raw})", file=sys.stderr)
 
 
+def page(preamble: str, header: list[str], rows: list[list[str]], machine: dict[str, Any]) -> str:
+    """A result's Markdown: a line on how to read it, its table, and the machine it was measured on."""
+    return "\n".join([preamble, "", *table(header, rows), "", machine_line(machine)]) + "\n"
+
+
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     """A Markdown table, its first column left-aligned, the others right-aligned."""
     rule = "|---|" + "---:|" * (len(header) - 1)

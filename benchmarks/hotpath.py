@@ -273,15 +273,11 @@ def markdown(result: dict[str, Any]) -> str:
                 f"**{found['result']}**",
             ]
         )
-    lines = [
+    preamble = (
         "Per call: the median of the blocks' times; ratios: the median of the per-round ratios "
-        "(interquartile range); torch on 1 thread.",
-        "",
-        *harness.table(header, rows),
-        "",
-        harness.machine_line(result["machine"]),
-    ]
-    return "\n".join(lines) + "\n"
+        "(interquartile range); torch on 1 thread."
+    )
+    return harness.page(preamble, header, rows, result["machine"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -82,15 +82,11 @@ def markdown(result: dict[str, Any]) -> str:
                 str(len(found["ns"])),
             ]
         )
-    lines = [
+    preamble = (
         f"{OBJECTS:,} objects alive, {MODULES} modules of two 4-bit weights, after a step; every call "
-        "of every process, each case's processes alternating.",
-        "",
-        *harness.table(header, rows),
-        "",
-        harness.machine_line(result["machine"]),
-    ]
-    return "\n".join(lines) + "\n"
+        "of every process, each case's processes alternating."
+    )
+    return harness.page(preamble, header, rows, result["machine"])
 
 
 def main(argv: list[str] | None = None) -> None:
