@@ -151,7 +151,7 @@ def _decide(library: Library, module: ModuleType) -> None:
         missing = f"{library.module_name} has no {library.register_name}()"
         _settle(library, module, reading.Reading(reading.Kind.UNREADABLE, missing))
         return
-    what = code_reading.read(library, module, register)
+    what = code_reading.read(library, register)
     if what is None:
         _wait_for_a_real_module(library, module)
     else:

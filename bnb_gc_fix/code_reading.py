@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dis
 import inspect
-from types import CodeType, FunctionType, ModuleType
+from types import CodeType, FunctionType
 from typing import Any
 
 import torch.nn.utils.parametrize as P
@@ -57,9 +57,26 @@ def _compiled(source: str) -> CodeType:
 _KNOWN_CODE = {what: _compiled(source) for what, source in KNOWN.items()}
 
 
-def read(library: Library, module: ModuleType, register: Any) -> Reading | None:
+def read(library: Library, register: Any) -> Reading | None:
     """What ``register`` (the library module's own register function) registers, where its code says it
-    plainly; None where it does not."""
+    plainly; None where it does not. Never raises: code it cannot read says nothing."""
+    try:
+        found = _pair_registered(register)
+    except Exception:  # a code object this reading does not understand
+        return None
+    if found is None:
+        return None
+    pair, always_called = found
+    named = f"{library.module_name}.{library.register_name}()"
+    if always_called:
+        said = f"{named} registers an off hook that torch calls even when a forward raises"
+        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable=True)
+    said = f"{named} registers an off hook that torch skips when a forward raises"
+    return Reading(Kind.LEAKS, said, pair, replaceable=True)
+
+
+def _pair_registered(register: Any) -> tuple[tuple[Any, Any], bool] | None:
+    """The known pair ``register`` registers, and whether its off hook always called (None: not plainly)."""
     code = getattr(register, "__code__", None)
     if not isinstance(code, CodeType):
         return None
@@ -69,13 +86,7 @@ def read(library: Library, module: ModuleType, register: Any) -> Reading | None:
     (pre_hook, pre_always), (off_hook, off_always) = registered
     if pre_always or _does(pre_hook) != ADDS or _does(off_hook) not in (TAKES, TAKES_CLAMPED):
         return None
-    named = f"{library.module_name}.{library.register_name}()"
-    pair = (pre_hook, off_hook)
-    if off_always:
-        said = f"{named} registers an off hook that torch calls even when a forward raises"
-        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable=True)
-    said = f"{named} registers an off hook that torch skips when a forward raises"
-    return Reading(Kind.LEAKS, said, pair, replaceable=True)
+    return (pre_hook, off_hook), off_always
 
 
 def _registrations(code: CodeType, namespace: dict[str, Any]) -> tuple[Any, Any] | None:

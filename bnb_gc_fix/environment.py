@@ -89,7 +89,7 @@ def _read(library: Library, module: ModuleType) -> tuple[Reading | None, bool]:
     if not callable(register):
         missing = f"{library.module_name} has no {library.register_name}()"
         return reading.Reading(reading.Kind.UNREADABLE, missing), False
-    return code_reading.read(library, module, register), False
+    return code_reading.read(library, register), False
 
 
 def _verdict(library: Library, version: str, what: Reading | None, fixed: bool) -> tuple[str, str]:
