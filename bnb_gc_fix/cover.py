@@ -157,8 +157,10 @@ def number_awaiting(library_name: str, modules: list[Any]) -> int:
 
 
 def _holds_plain(module: Any, off_hooks: list[FunctionType]) -> bool:
-    always = module._forward_hooks_always_called
-    held = [hook for key, hook in module._forward_hooks.items() if key not in always]
+    """Whether one of ``off_hooks`` is among the module's plain forward hooks (read as
+    ``off_hooks_all_plain`` reads them: status() never raises on a module without torch's dictionaries)."""
+    always = getattr(module, "_forward_hooks_always_called", {})
+    held = [hook for key, hook in getattr(module, "_forward_hooks", {}).items() if key not in always]
     return any(hook is off_hook for hook in held for off_hook in off_hooks)
 
 
