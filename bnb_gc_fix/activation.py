@@ -148,8 +148,7 @@ def _decide(library: Library, module: ModuleType) -> None:
     decision.spec = getattr(module, "__spec__", None)
     register = patch.own_register(module, library)
     if not callable(register):
-        missing = f"{library.module_name} has no {library.register_name}()"
-        _settle(library, module, reading.Reading(reading.Kind.UNREADABLE, missing))
+        _settle(library, module, reading.without_a_register_function(library))
         return
     what = code_reading.read(library, register)
     if what is None:

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch.nn.utils.parametrize as P
 
+from bnb_gc_fix import reading
 from bnb_gc_fix.libraries import Library
-from bnb_gc_fix.reading import Kind, Reading
+from bnb_gc_fix.reading import Reading
 
 ADDS = "adds 1"
 TAKES = "takes 1 off"
@@ -67,12 +68,7 @@ def read(library: Library, register: Any) -> Reading | None:
     if found is None:
         return None
     pair, always_called = found
-    named = f"{library.module_name}.{library.register_name}()"
-    if always_called:
-        said = f"{named} registers an off hook that torch calls even when a forward raises"
-        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable=True)
-    said = f"{named} registers an off hook that torch skips when a forward raises"
-    return Reading(Kind.LEAKS, said, pair, replaceable=True)
+    return reading.switching_pair(pair, always_called, reading.register_named(library), replaceable=True)
 
 
 def _pair_registered(register: Any) -> tuple[tuple[Any, Any], bool] | None:

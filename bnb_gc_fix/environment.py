@@ -87,8 +87,7 @@ def _read(library: Library, module: ModuleType) -> tuple[Reading | None, bool]:
         return decision.reading, decision.outcome == activation.Outcome.FIXED
     register = patch.own_register(module, library)
     if not callable(register):
-        missing = f"{library.module_name} has no {library.register_name}()"
-        return reading.Reading(reading.Kind.UNREADABLE, missing), False
+        return reading.without_a_register_function(library), False
     return code_reading.read(library, register), False
 
 

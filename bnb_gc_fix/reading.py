@@ -77,8 +77,7 @@ def read(library: Library, module: Any, before: Hooks) -> Reading | None:
     """What the library's register function registered on ``module`` (one the library quantized), whose
     hooks were ``before`` until it did; None where it registered nothing on a module it had quantized
     before, so that the next module tells."""
-    named = f"{library.module_name}.{library.register_name}()"
-    what = registered(module, before, named)
+    what = registered(module, before, register_named(library))
     if what.kind == Kind.NOTHING and before.the_librarys:
         return None
     return what
@@ -98,18 +97,34 @@ def registered(module: Any, before: Hooks, named: str) -> Reading:
     return _read_pair(pair, off_keys[0] in module._forward_hooks_always_called, named)
 
 
+def register_named(library: Library) -> str:
+    """``bitsandbytes.nn.parametrize._register_parametrization_hooks()``."""
+    return f"{library.module_name}.{library.register_name}()"
+
+
+def without_a_register_function(library: Library) -> Reading:
+    """The reading of a library module that has no register function of that name."""
+    return Reading(Kind.UNREADABLE, f"{library.module_name} has no {library.register_name}()")
+
+
+def switching_pair(pair: tuple[Any, Any], always_called: bool, named: str, replaceable: bool) -> Reading:
+    """The reading of a pair that switches the cache on and off: upstream's fix where torch always calls
+    its off hook, else the leaking pair."""
+    if always_called:
+        said = f"{named} registers an off hook that torch calls even when a forward raises"
+        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable)
+    said = f"{named} registers an off hook that torch skips when a forward raises"
+    return Reading(Kind.LEAKS, said, pair, replaceable)
+
+
 def _read_pair(pair: tuple[Any, Any], always_called: bool, named: str) -> Reading:
     """What a registered pair does, ``always_called`` where torch calls its off hook whatever happens."""
     if _is_the_fixs(pair):
         return Reading(Kind.LEAKS, f"{named} registers the pair that the fix is in already", pair, True)
     effect = _effect_on_a_stand_in(pair)
     replaceable = effect == SWITCHES and all(_plain_function(hook) for hook in pair)
-    if always_called:
-        said = f"{named} registers an off hook that torch calls even when a forward raises"
-        return Reading(Kind.ALWAYS_OFF, said, pair, replaceable)
-    if effect == SWITCHES:
-        said = f"{named} registers an off hook that torch skips when a forward raises"
-        return Reading(Kind.LEAKS, said, pair, replaceable)
+    if always_called or effect == SWITCHES:
+        return switching_pair(pair, always_called, named, replaceable)
     if effect == NEVER_SWITCHES:
         return Reading(Kind.NOTHING, f"{named} registers forward hooks that never switch the cache", pair)
     said = f"{named} registers forward hooks that bnb-gc-fix cannot read ({effect})"
