@@ -43,8 +43,8 @@ def switched_off() -> bool:
     return mode_of(os.environ.get(VARIABLE)) == OFF
 
 
-#: The libraries' modules that register the leaking pair (``bnb_gc_fix.libraries`` says the rest of
-#: each library; a test checks that the two agree).
+#: The libraries' modules that register the leaking pair, bitsandbytes' first (``bnb_gc_fix.libraries``
+#: takes them from here and says the rest of each library).
 WATCHED = ("bitsandbytes.nn.parametrize", "axolotl.monkeypatch.moe_quant")
 
 #: True once the start-up hook ran in this process (it does not where Python skips `.pth` files).

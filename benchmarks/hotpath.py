@@ -4,7 +4,8 @@ same module, a second 0.50 module being the noise floor. Three cases: the hook b
 real 4-bit forward on one thread, the same module served from 8 threads. Two more on small modules, where
 the hooks weigh most, against bitsandbytes 0.49.2's own plain pair (a fresh copy of its functions, which
 the fix never sees), a second such module being the noise floor: the hooks alone on an ``nn.Linear(8,
-8)``, and a module of two quantized 4x64x64 weights (benchmarks/README.md, "Hot path").
+8)``, a module of two quantized 4x64x64 weights, and blocks of one quantized weight that call themselves
+one and two deep, 64 and 256 wide (benchmarks/README.md, "Hot path").
 
     python benchmarks/hotpath.py            # results/hotpath.md
     python benchmarks/hotpath.py --quick    # 5 rounds of fewer calls (smoke run, results/tmp/)
@@ -151,6 +152,46 @@ def small_modules(registers_: dict[str, Callable[..., None] | None]) -> dict[str
         "linear": _checked_equal({name: module.requires_grad_(False) for name, module in linears.items()}, 8),
         "two weights": _checked_equal({name: module.requires_grad_(False) for name, module in pairs.items()}),
     }
+
+
+def self_calling_modules(registers_: dict[str, Callable[..., None] | None], width: int) -> dict[str, Any]:
+    """For the fix, 0.49.2's pairs and a second such module: a block of one quantized ``width`` x ``width``
+    weight that calls itself inside its forward, as a weight-shared recursive block does (``depth`` deep),
+    using the weight before and after."""
+    import bitsandbytes.nn.parametrize as bnb_parametrize
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            generator = torch.Generator().manual_seed(0)
+            self.w = torch.nn.Parameter(torch.randn(width, width, generator=generator) * 0.05)
+
+        def forward(self, x: torch.Tensor, depth: int = 0) -> torch.Tensor:
+            x = x @ self.w
+            if depth:
+                x = self(x, depth - 1)
+            return x @ self.w.t()
+
+    blocks = {}
+    for name in (FIX, PLAIN, PLAIN_FLOOR):
+        with registering(registers_[name]):
+            blocks[name] = Block()
+            bnb_parametrize.replace_parameter_4bit(blocks[name], "w", quant_type="nf4")
+    return _checked_equal({name: block.requires_grad_(False) for name, block in blocks.items()}, width)
+
+
+def self_call(module: Any, width: int, depth: int) -> Callable[[], Any]:
+    """A no-grad forward of a self-calling block, ``depth`` calls of itself deep, on 2 rows."""
+    import torch
+
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(1))
+
+    def call() -> Any:
+        with torch.no_grad():
+            return module(x, depth)
+
+    return call
 
 
 def tokens(width: int = HIDDEN) -> Any:
@@ -309,6 +350,11 @@ def main(argv: list[str] | None = None) -> None:
         case("d. the hooks alone on an nn.Linear(8, 8)", linears, 5000 // scale, rounds, against=plain),
         case("e. two quantized 4x64x64 weights, 1 thread", pairs, 1000 // scale, rounds, against=plain),
     ]
+    for letter, (width, depth) in zip("fghi", [(64, 1), (64, 2), (256, 1), (256, 2)]):
+        blocks = self_calling_modules(registers_, width)
+        calls = {name: harness.loop(self_call(block, width, depth)) for name, block in blocks.items()}
+        title = f"{letter}. a {width}-wide block calling itself {depth} deep, 2 rows"
+        cases.append(case(title, calls, 500 // scale, rounds, against=plain))
     result = {"benchmark": "hotpath", "machine": machine, "cases": cases}
     name = "hotpath-quick" if args.quick else "hotpath"
     harness.write_results(name, result, markdown(result), args.quick, args.output)

@@ -38,9 +38,9 @@ def activate() -> Status:
 
 
 def _turn_on(via: str) -> None:
-    """The fix on as the switch says, and with it, in IPython, the cell-end release."""
+    """The fix asked for as the switch says, and with it, in IPython, the cell-end release."""
     _activation.activate(via=via)
-    if _activation.fix.turned_on_by is not None:
+    if _activation.fix.asked_by is not None:
         _notebook.install()
 
 

@@ -1,11 +1,10 @@
-"""Counting the modules alive in this process that leak this way, without importing torch.
+"""Counting the modules alive in this process quantized with a library's module, without importing torch.
 
-A module leaks this way when it holds an off hook of a library's module (a forward hook defined there)
-that torch does not always call: what a library that leaks registers, and what the fix's cover changes.
+A module was quantized with a library's module when it holds a forward hook or pre-hook defined there.
 Finding them means reading every object Python's collector tracks (about 0.1-0.2 µs each: tens of
 milliseconds to a second in a large process). ``status()`` does that only where the fix does not see the
-modules quantized (the fix off, its hooks not fixable, a library module imported where it could not see
-it). Where the fix turns on after a library's module was imported (a late ``import bnb_gc_fix`` or
+modules quantized (the fix off, not in the library's hooks, a library module imported where it could not
+see it). Where the fix turns on after a library's module was imported (a late ``import bnb_gc_fix`` or
 ``activate()``, never the start-up hook's import at that module's), the modules quantized before are read
 once, then and there, and noted: ``status()`` looks them up. A module awaiting collection (garbage in a
 reference cycle) counts as alive until the collector frees it.
@@ -19,24 +18,22 @@ import sys
 import weakref
 from typing import Any
 
-#: The modules noted at a late activation, by the name of the library module whose plain off hook they
-#: held, then by ``id``: an entry goes when its module is collected.
+#: The modules noted at a late activation, by the name of the library module whose hooks they held, then
+#: by ``id``: an entry goes when its module is collected.
 _noted: dict[str, dict[int, weakref.ref[Any]]] = {}
 
 
-def leaking_modules(module_name: str, modules: list[Any] | None = None) -> int:
-    """How many of ``modules`` (None: every module alive) hold an off hook defined in ``module_name`` that
-    torch does not always call. An object whose hooks cannot be read is left out."""
-    if modules is None:
-        modules = _every_module()
-    return sum(_leaks(module, module_name) for module in modules)
+def quantized_with(module_name: str) -> int:
+    """How many modules alive hold a hook defined in ``module_name``. An object whose hooks cannot be read is
+    left out."""
+    return sum(_holds_a_hook_of(module, module_name) for module in _every_module())
 
 
-def note_the_leaking(module_name: str) -> None:
-    """Note the modules alive that leak through ``module_name``'s hooks (a read of every object)."""
+def note_quantized(module_name: str) -> None:
+    """Note the modules alive that hold a hook defined in ``module_name`` (a read of every object)."""
     noted = _noted.setdefault(module_name, {})
     for module in _every_module():
-        if _leaks(module, module_name):
+        if _holds_a_hook_of(module, module_name):
             _note(noted, module)
 
 
@@ -63,18 +60,18 @@ def _every_module() -> list[Any]:
     return [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read
 
 
-def defined_in(hook: Any) -> str | None:
+def _defined_in(hook: Any) -> str | None:
     """The module a hook's function was defined in (through functools.partial objects)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     return getattr(hook, "__module__", None)
 
 
-def _leaks(module: Any, module_name: str) -> bool:
+def _holds_a_hook_of(module: Any, module_name: str) -> bool:
     try:
-        hooks = dict(vars(module).get("_forward_hooks") or {})  # a module made without __init__ has none
-        always = dict(vars(module).get("_forward_hooks_always_called") or {})
-        skipped = [hook for key, hook in hooks.items() if key not in always]
-        return any(defined_in(hook) == module_name for hook in skipped)
+        attributes = vars(module)  # a module made without __init__ has no hook dictionaries
+        hooks = [*(attributes.get("_forward_pre_hooks") or {}).values()]
+        hooks += (attributes.get("_forward_hooks") or {}).values()
+        return any(_defined_in(hook) == module_name for hook in hooks)
     except Exception:  # something in its __dict__ that is not a dictionary of hooks
         return False

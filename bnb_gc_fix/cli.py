@@ -17,7 +17,7 @@ from bnb_gc_fix.installed import distribution_version, has_module, try_import
 from bnb_gc_fix.libraries import AXOLOTL, BITSANDBYTES, LIBRARIES
 from bnb_gc_fix.lines import counted, labelled, wrap
 from bnb_gc_fix.releases import version_of
-from bnb_gc_fix.status import NOT_AFFECTED, Status, status, worst_of
+from bnb_gc_fix.status import NOT_AFFECTED, Status, for_a_job, status
 
 EXIT_PROTECTED = 0  # check: no leak, either way
 EXIT_LEAK = 1  # check: the cache stayed switched on, or the adapter's step died with a CheckpointError
@@ -98,29 +98,32 @@ READ_FROM_THE_CODE = (
 )
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
-    """What a job in this environment gets (``bnb_gc_fix.environment``), with the fix's switch; the
-    command's own process under ``process`` in the JSON."""
-    from bnb_gc_fix import environment
+#: What a job here that uses bitsandbytes' layers alone gets: the same words as the README's.
+LAYERS_ALONE = (
+    "a job here that uses BitsAndBytesConfig alone (load_in_4bit or load_in_8bit) is not affected: its "
+    "Linear4bit and Linear8bitLt layers never use this cache"
+)
 
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """What a job in this environment that quantizes with each library gets (``status.for_a_job``); the
+    command's own process under ``process`` in the JSON."""
     problems = _import_the_libraries()
-    current = status()
-    answers = environment.answers()
-    answer = worst_of(answers)
+    job = for_a_job()
     if args.json:
         facts: dict[str, Any] = {**_versions(), "imported": _imported_versions()}
-        facts.update(state=answer.state, reason=answer.reason, libraries=[each.as_dict() for each in answers])
-        facts.update(on=current.on, switch=current.switch, start_up_hook_ran=current.start_up_hook_ran)
-        _print_json({**facts, "process": current.as_dict(), "import_errors": problems})
+        facts.update(job.as_dict())
+        _print_json({**facts, "process": status().as_dict(), "import_errors": problems})
         return 0
     print(_versions_line())
-    print(labelled("state", f"{answer.state}: {answer.reason}"))
-    print(current.fix_line(who_turned_it_on=False))  # this command's own import turned the fix on
-    others = [each for each in answers if each.version is not None and each is not answer]
+    print(job.state_line())
+    print(job.fix_line(everywhere=True))
+    others = [each for each in job.libraries if each.version is not None and each is not job.worst]
     for each in others:
         print(labelled(f"{each.name} {each.version}", f"{each.state}: {each.reason}"))
     for problem in problems:
         print(labelled("import", problem))
+    print(labelled("note", LAYERS_ALONE))
     print(labelled("note", READ_FROM_THE_CODE))
     return 0
 
@@ -157,7 +160,7 @@ def _print_check(result: Any, current: Status) -> None:
     versions = f"bitsandbytes {bitsandbytes}, torch {torch}"
     print(f"bnb-gc-fix check: a small model of its own, device {result.device} ({versions})")
     print(result.status_line)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive
-    print(current.fix_line(who_turned_it_on=False))  # this command's own import turned the fix on
+    print(current.fix_line(everywhere=True))
     print("the routers trained, the quantized experts frozen; the cache after each step:")
     print(f"{'step':>4}  {'counter':>7}  {'cache bytes':>11}")
     for step in result.steps:

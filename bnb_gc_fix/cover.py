@@ -26,9 +26,8 @@ FIXED_PAIRS: dict[tuple[FunctionType, FunctionType], str] = {}
 _covered: dict[int, weakref.ref[Any]] = {}
 #: The modules alive that hold a fixed off hook but no fixed pre-hook, by ``id``: another tool put a
 #: function of its own in the place of the library's pre-hook, which calls the fixed one. The fix cannot
-#: fold their pairs or mark their off hooks, so an exception leaving their forward leaves the cache on, as
-#: without the fix; each call of the fixed pre-hook is recorded as a switch-on of its own, so that each off
-#: hook gives back only one of the module's own (``bnb_gc_fix.hooks``).
+#: fold their pairs, so they run the library's own arithmetic, their off hooks no longer marked always
+#: called: what an exception leaves on stays on, as without the fix (``bnb_gc_fix.hooks``).
 _uncoverable: dict[int, weakref.ref[Any]] = {}
 
 
@@ -95,10 +94,18 @@ def _record(module: Any, record: dict[int, weakref.ref[Any]]) -> None:
 
 def _note_if_uncoverable(module: Any) -> None:
     """A module with no fixed pre-hook: where it holds a fixed off hook (another tool's pre-hook in the
-    place of the fixed one), note it as one the fix cannot cover; else it is nothing of the fix's (a direct
-    call of the library's hook function on a module of its own)."""
-    if any(_is_fixed_off_hook(hook) for hook in module._forward_hooks.values()):
-        _record(module, _uncoverable)
+    place of the fixed one), note it as one the fix cannot cover, and unmark its fixed off hooks (a deep
+    copy of a covered module keeps the mark), unless a covered module shares that dictionary (the known
+    limits); else it is nothing of the fix's (a direct call of the library's hook function)."""
+    off_keys = [key for key, hook in module._forward_hooks.items() if _is_fixed_off_hook(hook)]
+    if not off_keys:
+        return
+    _record(module, _uncoverable)
+    always = module._forward_hooks_always_called
+    if any(each._forward_hooks_always_called is always for each in _alive(_covered)):
+        return
+    for key in off_keys:
+        always.pop(key, None)
 
 
 def _collected(key: int, record: dict[int, weakref.ref[Any]]) -> None:
@@ -112,13 +119,14 @@ def covered_ids() -> dict[int, weakref.ref[Any]]:
     return _covered
 
 
+def covered_module(key: int) -> Any:
+    """The covered module of that ``id`` (None: none alive)."""
+    ref = _covered.get(key)
+    return None if ref is None else ref()
+
+
 def is_uncoverable(module: Any) -> bool:
     return id(module) in _uncoverable
-
-
-def is_recorded(module: Any) -> bool:
-    """Whether the fix records the module's switch-ons: it is covered, or noted as one it cannot cover."""
-    return id(module) in _covered or id(module) in _uncoverable
 
 
 def _alive(record: dict[int, weakref.ref[Any]]) -> list[Any]:
@@ -153,7 +161,11 @@ def number_awaiting(library_name: str, modules: list[Any]) -> int:
     """How many of ``modules`` hold a plain one of the library's fixed off hooks and are not recorded: the
     fix went into their hooks after they were quantized, and covers each at its next forward."""
     off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
-    return sum(not is_recorded(module) and _holds_plain(module, off_hooks) for module in modules)
+    return sum(_not_recorded(module) and _holds_plain(module, off_hooks) for module in modules)
+
+
+def _not_recorded(module: Any) -> bool:
+    return id(module) not in _covered and id(module) not in _uncoverable
 
 
 def _holds_plain(module: Any, off_hooks: list[FunctionType]) -> bool:

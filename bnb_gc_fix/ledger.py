@@ -7,11 +7,10 @@ raises, takes it off again. torch calls no forward hook when a ``BaseException``
 stays in its thread's record until the module is entered again on that thread, a notebook cell that made
 it ends, its thread ends, the module is collected, or ``bnb_gc_fix.reset()``.
 
-A thread's record holds one entry per covered module at most (a module entered again switches its
-earlier switch-on off first), and an entry goes when its forward ends: between steps the records are
-usually empty, whatever the number of modules or threads ever seen. A module the fix cannot cover
-(``bnb_gc_fix.cover``) keeps its pairs, so each of its pre-hooks' calls is a switch-on of its own, and each
-off hook's call switches off the latest.
+A thread's record holds one entry per covered module at most, and an entry goes when its forward ends:
+between steps the records are usually empty, whatever the number of modules or threads ever seen. A module
+that calls itself inside its forward keeps its one switch-on for the inner calls: while one runs, the
+module's entry is :data:`NESTED`, and the outer calls' entries wait in ``outer``.
 
 Every change keeps one order: an entry is made before the counter is raised, and dropped after it is
 lowered, so a fork in between leaves the child one entry too many (switched off clamped at 0), never a
@@ -22,44 +21,68 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import threading
 import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
 
 from bnb_gc_fix import cache
 
 #: Each switch-on's ticket: a later one has a larger one (a notebook cell switches off those after its own).
 tickets = itertools.count(1)
+#: The ticket of a switch-on made inside a torch.compile trace (Dynamo would compile anew for each ticket):
+#: never later than a cell's, so no cell's end switches it off; the module's next forward does.
+COMPILED = -1
+#: A module's entry while a call of it inside its own forward runs: the switch-on is the outer call's.
+NESTED = 0
 
 
 class SwitchOns(dict[int, int]):
-    """One thread's switch-ons not switched off yet: for each covered module (by ``id``), the ticket of
-    its switch-on; in ``uncovered``, for each module the fix cannot cover, the tickets of its switch-ons,
-    oldest first. Between steps both are usually empty, which keeps torch.compile's guards on the
-    dictionary unchanged."""
+    """One thread's switch-ons not switched off yet: for each covered module (by ``id``), the ticket of its
+    one switch-on, or :data:`NESTED`; in ``outer``, for a module calling itself, the entries of its outer
+    calls, outermost first (the first is the switch-on's ticket). Between steps both are usually empty,
+    which keeps torch.compile's guards on the dictionary unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.uncovered: dict[int, list[int]] = {}
+        self.outer: dict[int, list[int]] = {}
 
-    def total(self) -> int:
-        return len(self) + sum(len(tickets) for tickets in self.uncovered.values())
+    def ticket(self, key: int) -> int:
+        """The ticket of the module's switch-on (by ``id``), whose entry is here."""
+        waiting = self.outer.get(key)
+        return waiting[0] if waiting else self[key]
+
+    def nest(self, key: int) -> None:
+        """A call of the module (by ``id``) inside its own forward begins: it keeps the switch-on."""
+        self.outer.setdefault(key, []).append(self[key])
+        self[key] = NESTED
+
+    def unnest(self, key: int) -> bool:
+        """A call nested in another of the module (by ``id``) ends: the call it ran in has the entry back.
+        Returns whether one did."""
+        waiting = self.outer.get(key)
+        if not waiting:
+            return False
+        self[key] = waiting.pop()
+        if not waiting:
+            del self.outer[key]
+        return True
+
+    def switch_off_module(self, key: int) -> None:
+        """Switch off the module's switch-on (by ``id``), if it has one here, and drop its entries."""
+        cache.switch_off(cache.parametrize(), int(key in self))
+        self.pop(key, None)
+        self.outer.pop(key, None)
 
     def switch_off_all(self) -> None:
-        cache.switch_off(cache.parametrize(), self.total())
+        cache.switch_off(cache.parametrize(), len(self))
         self.clear()
-        self.uncovered.clear()
-
-    def forget_module(self, key: int) -> None:
-        """Drop every entry of the module (by ``id``), switching nothing off: the caller did."""
-        self.pop(key, None)
-        self.uncovered.pop(key, None)
-
-    def of_module(self, key: int) -> int:
-        """How many switch-ons of the module (by ``id``) are on."""
-        return (key in self) + len(self.uncovered.get(key, ()))
+        self.outer.clear()
 
     def __del__(self) -> None:  # its thread ended: a thread that switched nothing on touches nothing
-        if not self and not self.uncovered:
+        if not self:
             return
         try:
             self.switch_off_all()
@@ -91,70 +114,52 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
     os.register_at_fork(after_in_child=_in_a_forked_child)
 
 
-def uncovered_switch_on(key: int, ticket: int) -> None:
-    """Note a switch-on of a module the fix cannot cover (by ``id``) on this thread; the caller raises the
-    counter next."""
-    local.switch_ons.uncovered.setdefault(key, []).append(ticket)
-
-
-def uncovered_switch_off(key: int) -> bool:
-    """Switch off this thread's latest switch-on of a module the fix cannot cover (by ``id``), if it has
-    one; returns whether it had."""
-    uncovered = local.switch_ons.uncovered
-    tickets = uncovered.get(key)
-    if not tickets:
-        return False
-    cache.switch_off(cache.parametrize(), 1)
-    tickets.pop()
-    if not tickets:
-        uncovered.pop(key, None)
-    return True
+def calls_running(module: Any, most: int) -> int:
+    """How many calls of ``module`` run on this thread now, counted up to ``most``, from its frames: those
+    of torch's ``Module._call_impl`` whose ``self`` is the module (a read of the thread's stack)."""
+    module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
+    call = getattr(getattr(module_type, "_call_impl", None), "__code__", None)
+    calls = 0
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and calls < most:
+        if frame.f_code is call and frame.f_locals.get("self") is module:
+            calls += 1
+        frame = frame.f_back
+    return calls
 
 
 def module_collected(key: int) -> None:
-    """A module the fix recorded (by ``id``) is gone: switch off every thread's switch-ons for it."""
+    """A module the fix covered (by ``id``) is gone: switch off every thread's switch-on for it."""
     for switch_ons in list(_threads.values()):
-        cache.switch_off(cache.parametrize(), switch_ons.of_module(key))
-        switch_ons.forget_module(key)
+        switch_ons.switch_off_module(key)
 
 
-def switch_off_since(ticket: int) -> tuple[int, int]:
-    """Switch off this thread's switch-ons made after ``ticket`` (a notebook cell's own); returns how many
-    of covered modules' and how many of modules the fix cannot cover."""
+def switch_off_since(ticket: int) -> int:
+    """Switch off this thread's switch-ons made after ``ticket`` (a notebook cell's own); returns how many."""
     switch_ons = local.switch_ons
-    covered = [key for key, taken in list(switch_ons.items()) if taken > ticket]
-    uncovered = list(switch_ons.uncovered.items())
-    later = [taken for _, tickets in uncovered for taken in tickets if taken > ticket]
-    count = len(covered) + len(later)
-    cache.switch_off(cache.parametrize(), count)
-    for key in covered:
-        del switch_ons[key]
-    for key, _ in uncovered:
-        _keep_until(switch_ons.uncovered, key, ticket)
-    return len(covered), len(later)
-
-
-def _keep_until(uncovered: dict[int, list[int]], key: int, ticket: int) -> None:
-    """Drop the module's tickets later than ``ticket`` (and the module, where none is left)."""
-    kept = [taken for taken in uncovered.get(key, ()) if taken <= ticket]
-    if kept:
-        uncovered[key] = kept
-    else:
-        uncovered.pop(key, None)
+    later = [key for key in list(switch_ons) if switch_ons.ticket(key) > ticket]
+    for key in later:
+        switch_ons.switch_off_module(key)
+    return len(later)
 
 
 def count_every_thread() -> int:
-    """How many of the counter's switch-ons are the fix's own forwards' (covered modules'), on every
-    thread. Those of modules the fix cannot cover are not: an exception leaves them on, as the library's
-    own hooks do."""
+    """How many of the counter's switch-ons are the fix's own forwards', on every thread."""
     return sum(len(switch_ons) for switch_ons in list(_threads.values()))
+
+
+def left_here(module_of: Callable[[int], Any]) -> int:
+    """How many of this thread's switch-ons belong to no call running on it: a ``BaseException`` that is
+    not an ``Exception`` left them (``module_of``: the covered module of an ``id``)."""
+    keys = list(local.switch_ons)
+    return sum(calls_running(module_of(key), most=1) == 0 for key in keys)
 
 
 def forget_every_thread() -> None:
     """Every thread forgets its switch-ons, switching nothing off (the counter was reset)."""
     for switch_ons in list(_threads.values()):
         switch_ons.clear()
-        switch_ons.uncovered.clear()
+        switch_ons.outer.clear()
 
 
 def reset() -> int:

@@ -1,16 +1,18 @@
 """The libraries whose modules may register the leaking pair of hooks, and what the package says of each.
 
-The start-up hook knows only the modules' names (``_bnb_gc_fix.WATCHED``); everything else lives here,
-imported with the package.
+The modules' names are the start-up hook's (``_bnb_gc_fix.WATCHED``, said once there); everything else
+lives here, imported with the package.
 """
 
 from __future__ import annotations
+
+import _bnb_gc_fix as startup
 
 
 class Library:
     """A library whose module may register the leaking pair of hooks on the modules it quantizes. What the
     pair does is read from the library's code when its module is imported (``bnb_gc_fix.reading``); the
-    releases named here are only the cross-check that ``status()`` explains a disagreement with."""
+    releases named here are what the README states, never what the fix decides from."""
 
     __slots__ = (
         "first_affected",
@@ -41,7 +43,7 @@ class Library:
 
 BITSANDBYTES = Library(
     name="bitsandbytes",
-    module_name="bitsandbytes.nn.parametrize",
+    module_name=startup.WATCHED[0],
     register_name="_register_parametrization_hooks",
     quantizer_name="replace_parameter_4bit",
     first_affected="0.48.0",
@@ -49,7 +51,7 @@ BITSANDBYTES = Library(
 )
 AXOLOTL = Library(  # its 8-bit MoE experts carry a copy of bitsandbytes' pair
     name="axolotl",
-    module_name="axolotl.monkeypatch.moe_quant",
+    module_name=startup.WATCHED[1],
     register_name="replace_parameter_8bit",
     quantizer_name="quantize_moe_experts",
     first_affected="0.15.0",

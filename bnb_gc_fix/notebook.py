@@ -56,9 +56,9 @@ class Span:
         """Switch off this thread's switch-ons made in the span and still on, and say what the span left,
         with what the cells it ran left (theirs were switched off when they ended)."""
         cached = cache.cached_bytes()
-        covered, uncovered = ledger.switch_off_since(self.ticket)
+        switched_off = ledger.switch_off_since(self.ticket)
         counter = cache.counter()
-        ending = Ending(covered + uncovered, counter, max(counter - self.counter, 0), cached, uncovered)
+        ending = Ending(switched_off, counter, max(counter - self.counter, 0), cached)
         for earlier in self.within:
             ending = ending.including(earlier)
         return ending
@@ -72,14 +72,12 @@ class Ending:
     counter: int  # torch's counter once those were switched off
     left: int  # how far the counter still stands above where it stood when the span began
     cached_bytes: int  # what the cache held before anything was switched off (the most, with cells it ran)
-    uncovered: int = 0  # of switched_off, those of modules the fix cannot cover (any exception leaves them)
 
     def including(self, earlier: Ending) -> Ending:
         """This ending, with what a cell that the span ran switched off and found cached when it ended."""
         switched_off = self.switched_off + earlier.switched_off
         cached_bytes = max(self.cached_bytes, earlier.cached_bytes)
-        uncovered = self.uncovered + earlier.uncovered
-        return Ending(switched_off, self.counter, self.left, cached_bytes, uncovered)
+        return Ending(switched_off, self.counter, self.left, cached_bytes)
 
     @property
     def clean(self) -> bool:
@@ -89,21 +87,13 @@ class Ending:
         """The report of a span that did not end clean, in words the user can act on, in lines of at most
         100 characters: what ``where`` (this cell) left, what ``who`` did, and what is still on."""
         parts = []
-        covered = self.switched_off - self.uncovered
-        if covered:
-            forwards = counted(covered, "forward")
-            pronoun = "that" if covered == 1 else "those"
+        if self.switched_off:
+            forwards = counted(self.switched_off, "forward")
+            pronoun = "that" if self.switched_off == 1 else "those"
             parts.append(
                 f"{forwards} in {where} switched the cache on and stopped before switching it off (by "
                 "KeyboardInterrupt, SystemExit or another BaseException that is not an Exception: torch runs "
                 f"no forward hook then). bnb-gc-fix switched {pronoun} off."
-            )
-        if self.uncovered:
-            switch_ons = counted(self.uncovered, "switch-on")
-            parts.append(
-                f"{switch_ons} of the cache in {where}, by modules the fix cannot cover (another tool's "
-                "function in front of their pre-hooks), were left on by an exception. bnb-gc-fix switched "
-                f"{'it' if self.uncovered == 1 else 'them'} off."
             )
         if self.counter == 0:
             parts.append(f"The cache is off and empty now ({self.cached_bytes} bytes were cached).")

@@ -1,48 +1,35 @@
 """``bnb_gc_fix.status()``: where the fix stands in this process right now, as one of three states.
 
-Every fact of the process is read when ``status()`` is called (the libraries imported and their versions,
-the module objects the fix decided for, the modules quantized with them, torch's counter), beside what
-the activations decided (``activation.fix``). It imports nothing and never raises. One situation has one
-state, whatever the switch says: a state says whether code that leaks this way is in use here. The words
-it says them in are ``status_lines.py``'s.
+Every fact is read when ``status()`` is called (the libraries imported and their versions, what their code
+was read to do, the module objects the fix decided for, the modules quantized with them, torch's counter),
+beside what the activations decided (``activation.fix``); ``bnb_gc_fix.verdict`` judges them. The same
+facts, asked about a job here (:func:`for_a_job`), are ``bnb-gc-fix status``'s answer. Imports nothing
+of the user's and never raises.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Protocol, TypeVar
+from dataclasses import asdict, dataclass, replace
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import _bnb_gc_fix as startup
-from bnb_gc_fix import activation, cache, census, cover, ledger, releases, status_lines
+from bnb_gc_fix import activation, cache, census, cover, ledger, verdict
 from bnb_gc_fix.installed import has_module
-from bnb_gc_fix.libraries import LIBRARIES, Library
-from bnb_gc_fix.lines import possessive
+from bnb_gc_fix.libraries import BITSANDBYTES, LIBRARIES, Library
+from bnb_gc_fix.lines import counted, labelled, possessive
+from bnb_gc_fix.releases import version_of
+from bnb_gc_fix.verdict import NOT_AFFECTED, PROTECTED, STATES, UNPROTECTED, Facts, Hooks
 
-# The states, worst first: where several libraries are imported, status() reports the worst.
-UNPROTECTED = "unprotected"  # modules quantized here with a leaking library's code, the fix not in it
-PROTECTED = "protected"  # the fix covers the modules quantized here with a leaking library's code
-NOT_AFFECTED = "not affected"  # nothing here is quantized with code that leaks this way, so far
-STATES = (UNPROTECTED, PROTECTED, NOT_AFFECTED)
+if TYPE_CHECKING:
+    from bnb_gc_fix.reading import Reading
 
+__all__ = ["NOT_AFFECTED", "PROTECTED", "STATES", "UNPROTECTED", "LibraryStatus", "Status", "status"]
 
-class _Stated(Protocol):
-    """A library with a state: a LibraryStatus, or ``bnb-gc-fix status``'s answer for one."""
-
-    @property
-    def version(self) -> str | None: ...
-
-    @property
-    def state(self) -> str: ...
-
-
-Stated = TypeVar("Stated", bound=_Stated)
-
-
-def worst_of(libraries: tuple[Stated, ...]) -> Stated:
-    """The one a state comes from: the worst of the libraries imported, else the first (bitsandbytes)."""
-    imported = [library for library in libraries if library.version is not None]
-    return min(imported or libraries[:1], key=lambda library: STATES.index(library.state))
+#: Advice that holds wherever it is given: reset() inside an open ``P.cached()`` block leaves the counter
+#: at -1 when the block ends, and the cache on for good.
+RESET_ADVICE = "bnb_gc_fix.reset() switches it off, once no forward runs and no P.cached() block is open"
 
 
 @dataclass(frozen=True)
@@ -51,32 +38,34 @@ class LibraryStatus:
 
     name: str
     version: str | None  # None while it is not imported
-    affected: bool | None  # its hooks, as imported now, were read to leak this way (None: not read)
+    hooks: str | None  # what its hooks do: "leak this way", "do not leak this way", "cannot be read"
     fixed: bool  # the fix is in its hooks now
     state: str  # one of STATES
     reason: str  # why, and what to do, in a sentence
     covered: int  # the modules quantized with it that the fix covers
     at_next_forward: int  # those quantized with it before the fix went in: it covers each at its next forward
-    leaking: int  # the modules quantized with it that run without the fix and leak this way
+    leaking: int  # the modules quantized with it that run its hooks without the fix
 
 
 @dataclass(frozen=True)
 class Status:
-    """Where the fix stands in this process."""
+    """Where the fix stands in this process (or, from :func:`for_a_job`, for a job here)."""
 
     libraries: tuple[LibraryStatus, ...]  # bitsandbytes first
-    turned_on_by: str | None  # "the start-up hook", "import bnb_gc_fix" or "activate()"; None: off
-    switch: str | None  # BNB_GC_FIX as the activation that turned the fix on read it (None: unset)
+    asked_by: str | None  # who asked for the fix: "the start-up hook", "import bnb_gc_fix", "activate()"
+    switch: str | None  # BNB_GC_FIX as the activation that asked for the fix read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
     watching: tuple[str, ...]  # the libraries' modules it still waits for here (none imported yet)
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
-    from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards'
+    from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards', on every thread
+    left_here: int  # of those, this thread's that no running call holds (a Ctrl-C left them)
 
     @property
     def worst(self) -> LibraryStatus:
         """The library the state comes from: the worst of those imported, else bitsandbytes."""
-        return worst_of(self.libraries)
+        imported = [library for library in self.libraries if library.version is not None]
+        return min(imported or self.libraries[:1], key=lambda library: STATES.index(library.state))
 
     @property
     def state(self) -> str:
@@ -87,8 +76,9 @@ class Status:
         return self.worst.reason
 
     @property
-    def on(self) -> bool:
-        return self.turned_on_by is not None
+    def fixed(self) -> bool:
+        """Whether the fix is in a library's hooks here."""
+        return any(library.fixed for library in self.libraries)
 
     @property
     def covered(self) -> int:
@@ -97,201 +87,229 @@ class Status:
     def as_dict(self) -> dict[str, Any]:
         """Everything, as ``bnb-gc-fix status --json`` prints it."""
         facts = asdict(self)
-        facts.update(state=self.state, reason=self.reason, on=self.on, covered=self.covered)
+        facts.update(state=self.state, reason=self.reason, fixed=self.fixed, covered=self.covered)
         return facts
 
     def library(self, name: str) -> LibraryStatus:
         return next(library for library in self.libraries if library.name == name)
 
-    def lines(self, who_turned_it_on: bool = True) -> list[str]:
-        """What ``print(status())`` shows (``bnb_gc_fix.status_lines``). ``who_turned_it_on=False``:
-        ``bnb-gc-fix``'s own process, where the command itself turned the fix on."""
-        return status_lines.lines(self, who_turned_it_on)
+    def lines(self) -> list[str]:
+        """What ``print(status())`` shows: state, fix, cache, and another library only where one is
+        imported beside the one the state comes from."""
+        lines = [self.state_line(), self.fix_line(), self.cache_line()]
+        others = [lib for lib in self.libraries if lib.version is not None and lib is not self.worst]
+        lines += [labelled(f"{lib.name} {lib.version}", f"{lib.state}: {lib.reason}") for lib in others]
+        return lines
 
     def state_line(self) -> str:
-        return status_lines.state_line(self)
+        return labelled("state", f"{self.state}: {self.reason}")
 
-    def fix_line(self, who_turned_it_on: bool = True) -> str:
-        return status_lines.fix_line(self, who_turned_it_on)
+    def fix_line(self, everywhere: bool = False) -> str:
+        """Whether the fix is in the libraries' hooks here; ``everywhere``: in this environment's processes
+        (``bnb-gc-fix``'s own process, where the command imported the libraries)."""
+        return labelled("fix", f"{_fix_text(self)}{_elsewhere(self, everywhere)}")
+
+    def cache_line(self) -> str:
+        if self.counter is None:
+            return labelled("cache", "not in use (torch's parametrize module is not imported)")
+        text = f"{'on' if self.counter else 'off'}, counter {self.counter}, {self.cache_bytes} bytes"
+        if self.left_here:
+            text += f"; {counted(self.left_here, 'switch-on')} of it left by a Ctrl-C inside a forward here: "
+            text += "that layer's next forward switches it off, or bnb_gc_fix.reset()"
+        if self.counter - self.from_the_fix > 0:
+            text += f"; {self.who_keeps_it_on()}"
+        return labelled("cache", text)
 
     def who_keeps_it_on(self) -> str:
-        return status_lines.who_keeps_it_on(self)
+        """What keeps the cache on beyond the fix's own forwards: modules that leak this way first, else
+        what may (a Ctrl-C in hooks the fix is not in and that do not need it, an open P.cached() block,
+        a forward on another thread), and when reset() is safe."""
+        leaking = [library for library in self.libraries if library.leaking]
+        if leaking:
+            return "left on by " + " and ".join(_leaking_through(self, library) for library in leaking)
+        causes = [
+            f"a Ctrl-C inside a forward of {possessive(f'{library.name} {library.version}')} own hooks"
+            for library in self.libraries
+            if library.hooks == Hooks.DO_NOT_LEAK.value and not library.fixed
+        ]
+        causes += [
+            "a P.cached() block still open",
+            "a forward running on another thread or begun before the fix was on",
+        ]
+        said = f"bnb-gc-fix cannot tell what else switched it on ({'; '.join(causes)}). If nothing keeps it "
+        said += f"on on purpose, {RESET_ADVICE}"
+        if self.from_the_fix:
+            said = f"the fix's own forwards account for {self.from_the_fix} of it; {said}"
+        return said
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
 
 
-# --- one library's state ---------------------------------------------------------------------------------
-class _Found(NamedTuple):
-    state: str
-    reason: str
-    covered: int = 0
-    at_next_forward: int = 0
-    leaking: int = 0
+def _fix_text(status: Status) -> str:
+    """The fix line's one fact: whether the fix is in the hooks of the libraries imported here."""
+    switch = f"{startup.VARIABLE} unset" if status.switch is None else f"{startup.VARIABLE}={status.switch!r}"
+    if status.asked_by is None:
+        return f"off ({switch})"
+    imported = [library for library in status.libraries if library.hooks is not None]
+    if not imported:
+        where = f"at the import of {BITSANDBYTES.module_name}, where they leak"
+        return f"goes into {possessive(BITSANDBYTES.name)} hooks {where} ({switch})"
+    if all(library.hooks == Hooks.DO_NOT_LEAK.value and not library.fixed for library in imported):
+        named = " and ".join(f"{library.name} {library.version}" for library in imported)
+        return f"not needed here: the hooks of {named} do not leak this way ({switch})"
+    fixed = [_hooks_of(library) for library in imported if library.fixed]
+    not_in = [_hooks_of(lib) for lib in imported if not lib.fixed and lib.hooks != Hooks.DO_NOT_LEAK.value]
+    said = [f"in {' and '.join(fixed)}"] if fixed else []
+    said += [f"not in {' and '.join(not_in)}: the state says why"] if not_in else []
+    return f"{'; '.join(said)} ({switch})"
 
 
-def _cross_check(library: Library, version: str, leaks: bool) -> str:
-    """Where the release number says otherwise than what the library's code was read to do, a clause that
-    says so (else nothing)."""
-    by_number = releases.in_the_leaking_range(library, version)
-    if by_number is None or by_number == leaks:
+def _hooks_of(library: LibraryStatus) -> str:
+    return f"{possessive(f'{library.name} {library.version}')} hooks"
+
+
+def _elsewhere(status: Status, everywhere: bool) -> str:
+    """What the start-up hook means for this environment's other processes, where that is news."""
+    if status.asked_by is None:
         return ""
-    releases_named = f"releases {library.first_affected} to before {library.first_fixed}"
-    if leaks:
-        return f" ({library.name} {version} does, though only {releases_named} did)"
-    return f" ({library.name} {version} does not, though {releases_named} do)"
+    if not status.start_up_hook_ran:
+        return (
+            "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
+            "fix (docs/reference.md: where the start-up hook cannot run)"
+        )
+    if everywhere:
+        return "; the start-up hook does the same in every process here"
+    return ""
 
 
-def _without_the_fix(library: Library, why: str) -> _Found:
-    """Where the fix is not in the library's code: the modules that leak decide the state."""
-    leaking = census.leaking_modules(library.module_name)
-    if leaking:
-        return _Found(UNPROTECTED, f"{status_lines.leak_this_way(library, leaking)}: {why}", leaking=leaking)
-    said = f"no module quantized here with {library.quantizer_name} leaks this way now. Weights quantized "
-    said += f"that way would run without the fix: {why}"
-    return _Found(NOT_AFFECTED, said)
+def _leaking_through(status: Status, library: LibraryStatus) -> str:
+    """What leaks the library's modules run: its own hooks, or, with the fix in them, modules the fix
+    cannot cover."""
+    if library.fixed:
+        modules = counted(library.leaking, "module")
+        return (
+            f"{modules} quantized here with {library.name} that the fix cannot cover (another tool's "
+            "function in front of their pre-hooks)"
+        )
+    why = "the fix is off" if status.asked_by is None else "the fix is not in them"
+    return f"{possessive(library.name)} own hooks ({why})"
 
 
-def _read_to_leak(decision: activation.Decision) -> bool | None:
-    """Whether the library's hooks were read to leak this way (None: not read, or unreadable)."""
-    return None if decision.reading is None else decision.reading.leaks
-
-
-def _said(decision: activation.Decision) -> str:
-    return "" if decision.reading is None else decision.reading.said
-
-
-def _with_the_fix(library: Library, version: str, decision: activation.Decision) -> _Found:
-    uncoverable = cover.number_uncoverable(library.name)
-    if uncoverable:
-        said = f"{status_lines.leak_this_way(library, uncoverable)}: the fix is in "
-        said += f"{possessive(library.name)} hooks, but another function stands in the place of its pre-hook "
-        said += "there (another tool's), so the fix cannot cover them"
-        return _Found(UNPROTECTED, said, leaking=uncoverable)
-    covered = cover.number_covered(library.name)
-    at_next_forward = cover.number_awaiting(library.name, census.noted(library.module_name))
-    checked = _cross_check(library, version, leaks=True) if _read_to_leak(decision) else ""
-    if covered or at_next_forward:
-        said = f"{status_lines.covering(library, covered, at_next_forward)}{checked}"
-        return _Found(PROTECTED, said, covered=covered, at_next_forward=at_next_forward)
-    leaking_release = version if _read_to_leak(decision) else None
-    return _Found(NOT_AFFECTED, f"{status_lines.nothing_quantized(library, leaking_release)}{checked}")
-
-
-def _not_needed(library: Library, version: str, decision: activation.Decision) -> _Found:
-    checked = _cross_check(library, version, leaks=False)
-    if decision.reading is None or not decision.reading.always_off:  # its hooks never switch the cache
-        return _Found(NOT_AFFECTED, f"{_said(decision)}{checked}: nothing of this leak")
-    named = possessive(f"{library.name} {version}")
-    ctrl_c = (
-        "A Ctrl-C inside a forward still leaves the cache on: a notebook cell's end reports it; "
-        f"{startup.VARIABLE}=force puts the fix into these hooks too, and the layer's next forward then "
-        "switches the cache off"
-    )
-    said = f"{named} hooks switch the cache off even when a forward raises{checked}: nothing to fix. {ctrl_c}"
-    return _Found(NOT_AFFECTED, said)
-
-
-def _waiting(library: Library) -> _Found:
-    """Where the fix reads the library's register function on the first module it quantizes."""
-    reads = f"the fix reads what {library.register_name}() registers on the next module it quantizes, "
-    reads += "and goes in there where it leaks"
-    leaking = census.leaking_modules(library.module_name, census.noted(library.module_name))
-    if leaking:
-        said = f"{status_lines.leak_this_way(library, leaking)}, quantized before that: {reads}"
-        return _Found(UNPROTECTED, said, leaking=leaking)
-    return _Found(NOT_AFFECTED, f"{status_lines.nothing_quantized(library)}; {reads}")
-
-
-def _why_the_fix_is_not_in(library: Library, decision: activation.Decision) -> str:
-    """Why the fix is not in the library's code now, and what puts it in."""
+# --- the facts ------------------------------------------------------------------------------------------
+def _why_not_in(library: Library, decision: activation.Decision, decided: bool) -> str:
+    """Why the fix is not in the library's hooks now, and what puts it in."""
     fix = activation.fix
-    if fix.turned_on_by is None:
-        return f"the fix is off ({status_lines.switched_off_by(fix.switch)})"
+    if fix.asked_by is None:
+        return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
     if decision.module is None:
         return (
             f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
             "of its own): import bnb_gc_fix before that hook is installed, or call bnb_gc_fix.activate()"
         )
-    if not activation.decided_for(library, sys.modules.get(library.module_name)):
+    if not decided:
         return (
             f"{library.module_name} was imported again where bnb-gc-fix could not see it: "
             "bnb_gc_fix.activate() puts the fix back in"
         )
-    if decision.why_not is not None:
-        return f"the fix could not be put in: {decision.why_not}"
-    return f"bnb-gc-fix cannot read what its hooks do: {_said(decision)}"
+    return f"the fix could not be put in: {decision.why_not}"
 
 
-def _decided_here(library: Library) -> activation.Decision | None:
-    """What the fix decided for the library's module as it is imported now (None: nothing, or for a module
-    object no longer imported, or the fix is off)."""
-    module = sys.modules.get(library.module_name)
-    if activation.fix.turned_on_by is None or module is None or not activation.decided_for(library, module):
-        return None
-    return activation.fix.decisions[library.name]
-
-
-def _release_without_the_module(library: Library) -> bool:
-    """Whether the library's release has no such module (one from before the leak), where its package is
-    imported (nothing is imported to tell)."""
+def _absent(library: Library, job: bool) -> str | None:
+    """Why the library's module is not imported where the library is: its release has none, or (for a job:
+    the command imported what is installed) it fails to import."""
     package = library.module_name.rpartition(".")[0]
-    return package in sys.modules and not has_module(library.module_name)
+    if (job or package in sys.modules) and not has_module(library.module_name):
+        return "no module"
+    return "fails" if job else None
 
 
-def _not_imported(library: Library, version: str | None) -> _Found:
-    """Where the library, or its module, is not imported."""
-    if version is None:
-        return _Found(NOT_AFFECTED, f"{library.name} is not imported in this process")
-    if _release_without_the_module(library):
-        return _Found(NOT_AFFECTED, status_lines.no_module(library, version))
-    return _Found(NOT_AFFECTED, status_lines.nothing_quantized(library))
+def _read(library: Library, module: ModuleType | None, decided: bool) -> Reading | None:
+    """What the library's code was read to do: as the fix decided for its module, else read now."""
+    if module is None:
+        return None
+    if decided:
+        return activation.fix.decisions[library.name].reading
+    from bnb_gc_fix import reading  # imports torch, imported already where a library's module is
+
+    return reading.read(library, module)
 
 
-def _found(library: Library, version: str | None) -> _Found:
-    if version is None or sys.modules.get(library.module_name) is None:
-        return _not_imported(library, version)
-    decision = _decided_here(library)
-    if decision is not None and decision.outcome == activation.Outcome.PENDING:
-        return _waiting(library)
-    if decision is not None and decision.outcome == activation.Outcome.FIXED:
-        return _with_the_fix(library, version, decision)
-    if decision is not None and decision.outcome == activation.Outcome.NOT_NEEDED:
-        return _not_needed(library, version, decision)
-    return _without_the_fix(library, _why_the_fix_is_not_in(library, activation.fix.decisions[library.name]))
-
-
-def _library_status(library: Library) -> LibraryStatus:
-    version = releases.version_of(library.name)
-    found = _found(library, version)
-    decision = _decided_here(library)
-    affected = None if decision is None else _read_to_leak(decision)
-    fixed = decision is not None and decision.outcome == activation.Outcome.FIXED
-    return LibraryStatus(
-        name=library.name,
+def _facts(library: Library, job: bool) -> Facts:
+    version = version_of(library.name)
+    module = sys.modules.get(library.module_name)
+    decision = activation.fix.decisions[library.name]
+    decided = activation.fix.asked_by is not None and activation.decided_for(library, module)
+    absent = _absent(library, job) if module is None and version is not None else None
+    what = _read(library, module, decided)
+    facts = Facts(
+        library=library,
         version=version,
-        affected=affected,
-        fixed=fixed,
-        state=found.state,
-        reason=found.reason,
-        covered=found.covered,
-        at_next_forward=found.at_next_forward,
-        leaking=found.leaking,
+        hooks=None if what is None else what.hooks,
+        said="" if what is None else what.said,
+        always_off=what is not None and what.hooks is Hooks.DO_NOT_LEAK and what.pair is not None,
+        fixed=decided and decision.fixed,
+        why_not=_why_not_in(library, decision, decided),
+        absent=absent,
+        job=job,
+    )
+    return _counted(facts, module is not None)
+
+
+def _counted(facts: Facts, imported: bool) -> Facts:
+    """The facts with the modules counted: those a job would quantize, or this process's."""
+    library = facts.library
+    needs_the_fix = facts.hooks is not Hooks.DO_NOT_LEAK or facts.fixed
+    if not imported or not needs_the_fix:
+        return facts
+    if facts.job:
+        return replace(facts, covered=int(facts.fixed), leaking=int(not facts.fixed))
+    if not facts.fixed:
+        return replace(facts, leaking=census.quantized_with(library.module_name))
+    return replace(
+        facts,
+        covered=cover.number_covered(library.name),
+        at_next_forward=cover.number_awaiting(library.name, census.noted(library.module_name)),
+        leaking=cover.number_uncoverable(library.name),
     )
 
 
-def status() -> Status:
-    """Where the fix stands in this process right now. Imports nothing and never raises."""
+def _library_status(facts: Facts) -> LibraryStatus:
+    state, reason = verdict.judged(facts)
+    return LibraryStatus(
+        name=facts.library.name,
+        version=facts.version,
+        hooks=None if facts.hooks is None else facts.hooks.value,
+        fixed=facts.fixed,
+        state=state,
+        reason=reason,
+        covered=facts.covered,
+        at_next_forward=facts.at_next_forward,
+        leaking=facts.leaking,
+    )
+
+
+def _status(job: bool) -> Status:
     counter = cache.counter() if cache.parametrize() is not None else None
-    cache_bytes = cache.cached_bytes() if counter is not None else None
-    libraries = tuple(_library_status(library) for library in LIBRARIES)
     return Status(
-        libraries=libraries,
-        turned_on_by=activation.fix.turned_on_by,
+        libraries=tuple(_library_status(_facts(library, job)) for library in LIBRARIES),
+        asked_by=activation.fix.asked_by,
         switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
         watching=tuple(name for name in startup.WATCHED if startup.started and name not in sys.modules),
         counter=counter,
-        cache_bytes=cache_bytes,
+        cache_bytes=cache.cached_bytes() if counter is not None else None,
         from_the_fix=ledger.count_every_thread(),
+        left_here=ledger.left_here(cover.covered_module),
     )
+
+
+def status() -> Status:
+    """Where the fix stands in this process right now. Imports nothing of the user's and never raises."""
+    return _status(job=False)
+
+
+def for_a_job() -> Status:
+    """What a job in this environment that quantizes with each library imported here gets: ``bnb-gc-fix
+    status``'s answer (the command imports the libraries first)."""
+    return _status(job=True)

@@ -308,9 +308,10 @@ _shared_folder: list[Path] = []
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _shared_runs(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> None:
+def _shared_runs(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> None:
     base = tmp_path_factory.getbasetemp()
-    folder = (base if worker_id == "master" else base.parent) / "shared-runs"
+    an_xdist_worker = hasattr(request.config, "workerinput")  # its folder is one of the run's folder's
+    folder = (base.parent if an_xdist_worker else base) / "shared-runs"
     folder.mkdir(exist_ok=True)
     _shared_folder.append(folder)
 
@@ -526,6 +527,14 @@ def downloads_reason(item: pytest.Item | None = None, needs: str = "another rele
     cells = _cells_running(item, _cells()) if item is not None else []
     where = f"in the nox cell(s) {', '.join(cells)}" if cells else "in no nox cell"
     return f"needs {needs} downloaded; runs with BNB_GC_FIX_DOWNLOADS=1: in {DOWNLOADS_STEP} and {where}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which makes -n's workers distribute by "load"
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """``-n`` distributes with ``worksteal``: a worker that runs out of tests takes the other's, so a long
+    scenario never ends the run alone. Without pytest-xdist (or with ``-p no:xdist``) nothing changes."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
+        config.option.dist = "worksteal"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -39,7 +39,7 @@ def test_startup_hook_fixes_a_script_that_never_imports_the_package() -> None:
     run = tiny_olmoe("--steps", "5")
     assert [s["counter"] for s in run.steps] == [0] * 5
     assert run.summary["bnb_gc_fix_imported"] is True
-    assert run.summary["turned_on_by"] == "the start-up hook"
+    assert run.summary["asked_by"] == "the start-up hook"
     assert run.summary["state"] == ("protected" if AFFECTED else "not affected")
 
 

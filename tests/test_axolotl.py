@@ -103,7 +103,7 @@ def test_start_up_hook_fixes_axolotl_with_no_code_change(axolotl: str, bitsandby
     # bitsandbytes was first imported by moe_quant itself; the start-up hook turned the fix on once
     # moe_quant's code had run to its end.
     assert run.summary["bitsandbytes_before_moe_quant"] is False
-    assert run.summary["turned_on_by"] == "the start-up hook"
+    assert run.summary["asked_by"] == "the start-up hook"
     assert run.summary["state"] == "protected"  # also on bitsandbytes 0.50.2, where only axolotl is
     assert _library(run, "axolotl") == {
         "name": "axolotl",
@@ -136,7 +136,7 @@ def test_explicit_import_without_start_up_hook(bitsandbytes: str) -> None:
         env = environment(switch, PYTHONPATH=_pythonpath("0.19.0", bitsandbytes))
         run = run_code(code, *argv, prelude="scenarios-without-startup-hook", env=env, fresh=FRESH)
         assert _counters(run) == expected, switch
-        assert run.summary["turned_on_by"] == ("import bnb_gc_fix" if switch is None else None)
+        assert run.summary["asked_by"] == ("import bnb_gc_fix" if switch is None else None)
 
 
 def test_bitsandbytes_imported_first_patches_on_import() -> None:

@@ -252,7 +252,7 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert facts["process"]["counter"] == 0 and facts["process"]["cache_bytes"] == 0
     assert str(TORCH) == facts["torch"]
     # The command's own import of the package turned the fix on.
-    assert facts["on"] is True and facts["process"]["turned_on_by"] == "import bnb_gc_fix"
+    assert facts["on"] is True and facts["process"]["asked_by"] == "import bnb_gc_fix"
     assert facts["switch"] is None and facts["import_errors"] == []
     for key in ("python", "transformers", "reason", "bnb_gc_fix"):
         assert facts[key]

@@ -118,7 +118,7 @@ def test_status_with_the_switch_off_gives_one_answer() -> None:
     process, process_on = facts["process"], json.loads(switched_on)["process"]
     assert process_on["state"] == process["state"] == "not affected"
     assert process["libraries"][0]["affected"] is None  # the process's fix off reads nothing of the hooks
-    assert process["on"] is False and process["turned_on_by"] is None and process["switch"] == "0"
+    assert process["on"] is False and process["asked_by"] is None and process["switch"] == "0"
     said = "Weights quantized that way would run without the fix: the fix is off (BNB_GC_FIX='0'"
     assert said in process["reason"]
     assert facts["state"] == ("unprotected" if AFFECTED else "not affected")
@@ -288,7 +288,7 @@ parametrize.replace_parameter_4bit  # runs it
     + LEAK
     + """
 fix = sys.modules.get("bnb_gc_fix")
-print(json.dumps({"lazy": lazy, "by": fix and fix.status().turned_on_by, "counters": steps(quantized.make()),
+print(json.dumps({"lazy": lazy, "by": fix and fix.status().asked_by, "counters": steps(quantized.make()),
                   "loader": type(parametrize.__spec__.loader).__name__}))
 """
 )
@@ -323,7 +323,7 @@ before = quantized.make()
 hidden = "bnb_gc_fix" in sys.modules
 import bnb_gc_fix
 s = bnb_gc_fix.status()
-out = {"hidden": hidden, "by": s.turned_on_by, "state": s.state, "reason": s.reason}
+out = {"hidden": hidden, "by": s.asked_by, "state": s.state, "reason": s.reason}
 out["before"] = steps(before)  # quantized before the import: covered at its next forward
 out["after"] = steps(quantized.make())  # quantized after the import
 print(json.dumps(out))

@@ -111,7 +111,7 @@ def test_peft_021_fails_the_same_with_and_without_the_fix(peft_new: Path) -> Non
     _assert_peft_021_failure(fixed, step=0, phase="backward")
     _assert_peft_021_failure(control, step=0, phase="backward")
     assert {k: fixed.summary[k] for k in SAME} == {k: control.summary[k] for k in SAME}
-    assert fixed.summary["bnb_gc_fix_in_modules"] is True and fixed.summary["turned_on_by"] is not None
+    assert fixed.summary["bnb_gc_fix_in_modules"] is True and fixed.summary["asked_by"] is not None
     assert control.summary["bnb_gc_fix_in_modules"] is False
 
 

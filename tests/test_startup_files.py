@@ -39,7 +39,7 @@ package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "counters": counters,
     "package": getattr(package, "__file__", None),
-    "by": package.status().turned_on_by if package is not None else None,
+    "by": package.status().asked_by if package is not None else None,
 }))
 """
 
@@ -118,7 +118,7 @@ package = sys.modules.get("bnb_gc_fix")
 print(json.dumps({
     "watchers": len(watchers),
     "counters": counters,
-    "by": package.status().turned_on_by if package is not None else None,
+    "by": package.status().asked_by if package is not None else None,
 }))
 """
 

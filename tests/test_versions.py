@@ -18,7 +18,7 @@ The affected range is the package's own (``_bnb_gc_fix``: ``first_affected``, ``
 read by conftest in a fresh interpreter), never typed here.
 
 The status is read from ``bnb-gc-fix status --json`` (keys ``state``, ``on``, ``reason``, ``libraries[]``)
-and from the scenarios' own summary line (``state``, ``reason``, ``turned_on_by``).
+and from the scenarios' own summary line (``state``, ``reason``, ``asked_by``).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_control_leaks_only_on_an_affected_release(checkpointing: str, record_pr
     record_property("counters", json.dumps(counters))
     record_property("kind", json.dumps(KIND))
     record_property("matrix", json.dumps("control"))
-    assert summary["turned_on_by"] is None, summary
+    assert summary["asked_by"] is None, summary
     if KIND == "affected" and checkpointing == "non-reentrant":
         assert counters[0] > 0 and all(b > a for a, b in zip(counters, counters[1:])), counters
         assert steps[-1]["cache_bytes"] > 0

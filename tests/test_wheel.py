@@ -120,7 +120,7 @@ def test_start_up_hook_fixes_a_script_that_never_imports_the_package(
     record_property("counters", json.dumps(counters))
     record_property("matrix", json.dumps("fix"))  # the wheel cell's row in docs/matrix.md
     assert counters == [0] * STEPS and cache[-1] == 0
-    assert summary["bnb_gc_fix_imported"] is True and summary["turned_on_by"] == "the start-up hook", summary
+    assert summary["bnb_gc_fix_imported"] is True and summary["asked_by"] == "the start-up hook", summary
 
 
 @pytest.mark.skipif(not AFFECTED, reason="the wheel cell pins an affected bitsandbytes")

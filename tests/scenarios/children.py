@@ -26,7 +26,7 @@ def train(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
         model(input_ids=ids, labels=ids).loss.backward()
         counters.append(int(P._cache_enabled))
     fix = sys.modules.get("bnb_gc_fix")
-    queue.put({"counters": counters, "via": fix.status().turned_on_by if fix else None})
+    queue.put({"counters": counters, "via": fix.status().asked_by if fix else None})
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
     sub = {
         "counters": [r["counter"] for r in lines if "step" in r],
-        "via": next(r["summary"] for r in lines if "summary" in r).get("turned_on_by"),
+        "via": next(r["summary"] for r in lines if "summary" in r).get("asked_by"),
     }
     print(json.dumps({"parent_imported": "bnb_gc_fix" in sys.modules, "spawn": spawned, "subprocess": sub}))
 

@@ -45,7 +45,7 @@ def main() -> None:
             json.dumps({"rank": rank, "step": step, "counter": int(P._cache_enabled)}), file=out, flush=True
         )
     fix = sys.modules.get("bnb_gc_fix")
-    via = fix.status().turned_on_by if fix is not None else None
+    via = fix.status().asked_by if fix is not None else None
     print(
         json.dumps({"summary": {"rank": rank, "imported": fix is not None, "via": via}}), file=out, flush=True
     )

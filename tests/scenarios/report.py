@@ -32,5 +32,5 @@ def finish(summary: dict[str, Any]) -> None:
     summary["bnb_gc_fix_imported"] = fix is not None
     if fix is not None:
         status = fix.status()
-        summary.update(state=status.state, reason=status.reason, turned_on_by=status.turned_on_by)
+        summary.update(state=status.state, reason=status.reason, asked_by=status.asked_by)
     emit({"summary": summary})
