@@ -69,12 +69,25 @@ def _torch_too_old() -> str | None:
 
 def _failed(error: Exception) -> str:
     """An exception's words, with the remedy where a dependency fails to import (a wheel built for another
-    Python, say)."""
+    Python, say): reinstall the package it came from."""
     said = f"{type(error).__name__}: {error}"
-    missing = getattr(error, "name", None) if isinstance(error, ImportError) else None
-    if missing:
-        return f"{said}; reinstall {missing.split('.')[0]}"
-    return said
+    broken = _package_raising(error) if isinstance(error, ImportError) else None
+    return said if broken is None else f"{said}; reinstall {broken}"
+
+
+def _package_raising(error: ImportError) -> str | None:
+    """The top-level package whose code raised ``error`` (outside the import system and this package), or
+    the one it names as missing."""
+    names = []
+    trace = error.__traceback__
+    while trace is not None:
+        names.append(str(trace.tb_frame.f_globals.get("__name__", "")))
+        trace = trace.tb_next
+    outside = [
+        name for name in names if not name.startswith(("importlib", "_frozen_importlib", "bnb_gc_fix"))
+    ]
+    named = outside[-1] if outside else (error.name or "")
+    return named.split(".")[0] or None
 
 
 def _why_it_cannot_go_in(what: Reading) -> str | None:

@@ -1,6 +1,7 @@
 """Counting the modules alive in this process quantized with a library's module, without importing torch.
 
-A module was quantized with a library's module when it holds a forward hook or pre-hook defined there.
+A module was quantized with a library's module when it holds a forward hook, a pre-hook or a
+parametrization defined there.
 Finding them means reading every object Python's collector tracks (about 0.1-0.2 µs each: tens of
 milliseconds to a second in a large process). ``status()`` does that only where the fix does not see the
 modules quantized (the fix off, not in the library's hooks, a library module imported where it could not
@@ -20,7 +21,7 @@ from typing import Any
 
 #: The modules noted at a late activation, by the name of the library module whose hooks they held, then
 #: by ``id``: an entry goes when its module is collected.
-_noted: dict[str, dict[int, weakref.ref[Any]]] = {}
+_noted: dict[str, weakref.WeakValueDictionary[int, Any]] = {}
 
 
 def quantized_with(module_name: str) -> int:
@@ -31,26 +32,15 @@ def quantized_with(module_name: str) -> int:
 
 def note_quantized(module_name: str) -> None:
     """Note the modules alive that hold a hook defined in ``module_name`` (a read of every object)."""
-    noted = _noted.setdefault(module_name, {})
+    noted = _noted.setdefault(module_name, weakref.WeakValueDictionary())
     for module in _every_module():
         if _holds_a_hook_of(module, module_name):
-            _note(noted, module)
+            noted[id(module)] = module
 
 
 def noted(module_name: str) -> list[Any]:
     """The modules noted for ``module_name`` that are alive."""
-    modules = (ref() for ref in list(_noted.get(module_name, {}).values()))
-    return [module for module in modules if module is not None]
-
-
-def _note(noted: dict[int, weakref.ref[Any]], module: Any) -> None:
-    key = id(module)
-
-    def forget(ref: weakref.ref[Any]) -> None:  # the module was collected
-        if noted.get(key) is ref:
-            del noted[key]
-
-    noted[key] = weakref.ref(module, forget)
+    return list(_noted.get(module_name, {}).values())
 
 
 def _every_module() -> list[Any]:
@@ -68,10 +58,14 @@ def _defined_in(hook: Any) -> str | None:
 
 
 def _holds_a_hook_of(module: Any, module_name: str) -> bool:
+    """Whether the module holds a hook, or a parametrization, defined in ``module_name`` (a builtin hook
+    names no module: the parametrization the library put there tells)."""
     try:
         attributes = vars(module)  # a module made without __init__ has no hook dictionaries
         hooks = [*(attributes.get("_forward_pre_hooks") or {}).values()]
         hooks += (attributes.get("_forward_hooks") or {}).values()
+        lists = (attributes.get("_modules") or {}).get("parametrizations")
+        hooks += [type(each) for values in (lists or {}).values() for each in values]
         return any(_defined_in(hook) == module_name for hook in hooks)
     except Exception:  # something in its __dict__ that is not a dictionary of hooks
         return False

@@ -116,11 +116,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_json({**facts, "process": status().as_dict(), "import_errors": problems})
         return 0
     print(_versions_line())
-    print(job.state_line())
-    print(job.fix_line(everywhere=True))
-    others = [each for each in job.libraries if each.version is not None and each is not job.worst]
-    for each in others:
-        print(labelled(f"{each.name} {each.version}", f"{each.state}: {each.reason}"))
+    for line in job.lines(everywhere=True):
+        print(line)
     for problem in problems:
         print(labelled("import", problem))
     print(labelled("note", LAYERS_ALONE))

@@ -141,39 +141,25 @@ def _fixed_pairs_of(library_name: str) -> list[tuple[FunctionType, FunctionType]
 def number_covered(library_name: str) -> int:
     """How many covered modules hold one of the library's fixed pre-hooks (never one it cannot cover)."""
     pre_hooks = [pre_hook for pre_hook, _ in _fixed_pairs_of(library_name)]
-    return sum(
-        any(hook is pre_hook for hook in module._forward_pre_hooks.values() for pre_hook in pre_hooks)
-        for module in _alive(_covered)
-    )
+    return _holding(_alive(_covered), "_forward_pre_hooks", pre_hooks)
 
 
 def number_uncoverable(library_name: str) -> int:
     """How many modules alive the fix could not cover hold one of the library's fixed off hooks."""
     off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
-    modules = _alive(_uncoverable)
-    return sum(
-        any(hook is off_hook for hook in module._forward_hooks.values() for off_hook in off_hooks)
-        for module in modules
-    )
+    return _holding(_alive(_uncoverable), "_forward_hooks", off_hooks)
 
 
-def number_awaiting(library_name: str, modules: list[Any]) -> int:
-    """How many of ``modules`` hold a plain one of the library's fixed off hooks and are not recorded: the
-    fix went into their hooks after they were quantized, and covers each at its next forward."""
-    off_hooks = [off_hook for _, off_hook in _fixed_pairs_of(library_name)]
-    return sum(_not_recorded(module) and _holds_plain(module, off_hooks) for module in modules)
+def _holding(modules: list[Any], dictionary: str, hooks: list[FunctionType]) -> int:
+    """How many of ``modules`` hold one of ``hooks`` in their hook dictionary of that name."""
+    held = [getattr(module, dictionary, {}).values() for module in modules]
+    return sum(any(hook is each for hook in values for each in hooks) for values in held)
 
 
-def _not_recorded(module: Any) -> bool:
-    return id(module) not in _covered and id(module) not in _uncoverable
-
-
-def _holds_plain(module: Any, off_hooks: list[FunctionType]) -> bool:
-    """Whether one of ``off_hooks`` is among the module's plain forward hooks (read as
-    ``off_hooks_all_plain`` reads them: status() never raises on a module without torch's dictionaries)."""
-    always = getattr(module, "_forward_hooks_always_called", {})
-    held = [hook for key, hook in getattr(module, "_forward_hooks", {}).items() if key not in always]
-    return any(hook is off_hook for hook in held for off_hook in off_hooks)
+def number_awaiting(modules: list[Any]) -> int:
+    """How many of ``modules`` (those quantized before the fix turned on late) are neither covered nor
+    found uncoverable yet: the fix covers each at its next forward."""
+    return sum(id(module) not in _covered and id(module) not in _uncoverable for module in modules)
 
 
 def off_hooks_all_plain(module: Any) -> bool:

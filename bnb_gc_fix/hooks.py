@@ -45,13 +45,12 @@ def nested_or_switched_off(module: Any) -> bool:
     the module runs further out on this thread (it calls itself), this call nests in that one: the cache
     stays on for it, unchanged, and True is returned. Else the switch-on is left over (by a Ctrl-C, or by
     a second pre-hook of this same call): it is switched off, False is returned, and the pre-hook
-    switches the cache on anew."""
-    if _compiling():  # a trace reads no frame: the earlier switch-on goes (a call of itself unpacks again)
-        cache.switch_off(P, 1)
-        return False
+    switches the cache on anew. Inside a torch.compile trace, which reads no frame, always the latter (a
+    call of itself then unpacks its weights again)."""
     key = id(module)
     switch_ons = ledger.local.switch_ons
-    if ledger.calls_running(module, most=2) == 2:
+    nested = not _compiling() and ledger.calls_running(module, most=2) == 2  # a trace reads no frame
+    if nested:
         switch_ons.nest(key)
         return True
     cache.switch_off(P, 1)

@@ -6,39 +6,23 @@ lives here, imported with the package.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import _bnb_gc_fix as startup
 
 
+@dataclass(frozen=True)
 class Library:
     """A library whose module may register the leaking pair of hooks on the modules it quantizes. What the
     pair does is read from the library's code when its module is imported (``bnb_gc_fix.reading``); the
     releases named here are what the README states, never what the fix decides from."""
 
-    __slots__ = (
-        "first_affected",
-        "first_fixed",
-        "module_name",
-        "name",
-        "quantizer_name",
-        "register_name",
-    )
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        module_name: str,
-        register_name: str,
-        quantizer_name: str,
-        first_affected: str,
-        first_fixed: str,
-    ) -> None:
-        self.name = name
-        self.module_name = module_name  # the module whose code registers the pair
-        self.register_name = register_name  # the name of that module's function that registers the pair
-        self.quantizer_name = quantizer_name  # the name of what users call, which calls that function
-        self.first_affected = first_affected  # the first release that registers the leaking pair
-        self.first_fixed = first_fixed  # the first release whose "off" hook runs when a forward raises
+    name: str
+    module_name: str  # the module whose code registers the pair
+    register_name: str  # the name of that module's function that registers the pair
+    quantizer_name: str  # the name of what users call, which calls that function
+    first_affected: str  # the first release that registers the leaking pair
+    first_fixed: str  # the first release whose "off" hook runs when a forward raises
 
 
 BITSANDBYTES = Library(

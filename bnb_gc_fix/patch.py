@@ -19,6 +19,7 @@ import wrapt
 
 from bnb_gc_fix import cover, hooks
 from bnb_gc_fix.libraries import Library
+from bnb_gc_fix.releases import version_of
 from bnb_gc_fix.warning import logger
 
 
@@ -47,4 +48,5 @@ def put_in(module: ModuleType, pair: tuple[FunctionType, FunctionType], library:
         function.__defaults__ = code_of.__defaults__  # None: every bound name is keyword-only
         function.__kwdefaults__ = code_of.__kwdefaults__
     cover.FIXED_PAIRS[pair] = library.name
-    logger.info("bnb-gc-fix put its fix into %s (%s)", library.name, library.module_name)
+    version = version_of(library.name)
+    logger.info("bnb-gc-fix put its fix into %s %s (%s)", library.name, version, library.module_name)

@@ -79,11 +79,11 @@ def read(library: Library, module: ModuleType) -> Reading:
     as unreadable."""
     named = register_named(library)
     register = getattr(module, library.register_name, None)
-    if not isinstance(getattr(register, "__code__", None), CodeType):
+    if not isinstance(register, FunctionType):
         said = f"{library.module_name} has no Python function {library.register_name}()"
         return Reading(Hooks.UNREADABLE, said)
     try:
-        registered = _registrations(register.__code__, register.__globals__)  # type: ignore[union-attr]
+        registered = _registrations(register, frozenset())
     except Exception:  # a code object this reading does not understand
         registered = None
     if registered == {PRE_HOOK: [], OFF_HOOK: []}:
@@ -91,7 +91,8 @@ def read(library: Library, module: ModuleType) -> Reading:
     pair = _known_pair(registered)
     if registered is None or pair is None:
         return Reading(Hooks.UNREADABLE, f"the code of {named} does not say plainly what it registers")
-    if _always_called(registered):
+    ((_, always_called),) = registered[OFF_HOOK]
+    if always_called:
         said = f"{named} registers an off hook that torch calls even when a forward raises"
         return Reading(Hooks.DO_NOT_LEAK, said, pair)
     return Reading(Hooks.LEAK, f"{named} registers an off hook that torch skips when a forward raises", pair)
@@ -110,17 +111,23 @@ def _known_pair(registered: Registrations | None) -> tuple[FunctionType, Functio
     return pre_hook, off_hook
 
 
-def _always_called(registered: Registrations) -> bool:
-    ((_, always),) = registered[OFF_HOOK]
-    return always
-
-
-def _registrations(code: CodeType, namespace: dict[str, Any]) -> Registrations | None:
-    """The (function, always called) that ``code`` passes to each of torch's two registering methods;
-    None where it passes anything else."""
+def _registrations(function: FunctionType, seen: frozenset[CodeType]) -> Registrations | None:
+    """The (function, always called) that ``function`` passes to each of torch's two registering methods,
+    itself or through a helper whose code names them; None where it passes anything else, names a
+    registering method another way (a string, a nested function), or calls what a closure holds."""
+    code, namespace = function.__code__, function.__globals__
     found: Registrations = {PRE_HOOK: [], OFF_HOOK: []}
+    if function.__closure__ is not None or _names_elsewhere(code):
+        return None
     instructions = list(dis.get_instructions(code))
     for index, instruction in enumerate(instructions):
+        helper = _helper(instruction, namespace, seen | {code})
+        if helper is not None:
+            inner = _registrations(helper, seen | {code})
+            if inner is None:
+                return None
+            found[PRE_HOOK] += inner[PRE_HOOK]
+            found[OFF_HOOK] += inner[OFF_HOOK]
         if instruction.argval not in found or instruction.opname not in ("LOAD_METHOD", "LOAD_ATTR"):
             continue
         registration = _registration(instructions[index + 1 :], namespace, code.co_consts)
@@ -128,6 +135,46 @@ def _registrations(code: CodeType, namespace: dict[str, Any]) -> Registrations |
             return None
         found[instruction.argval].append(registration)
     return found
+
+
+def _helper(
+    instruction: dis.Instruction, namespace: dict[str, Any], seen: frozenset[CodeType]
+) -> FunctionType | None:
+    """The function that ``instruction`` loads where its code registers: one of the same module that does
+    (itself or through such a helper), or one of another module whose code names a registering method
+    (a tool's function in the library's place that calls the library's). None for anything else."""
+    if instruction.opname not in ("LOAD_GLOBAL", "LOAD_NAME"):
+        return None
+    function = namespace.get(instruction.argval)
+    if not isinstance(function, FunctionType) or function.__code__ in seen:
+        return None
+    if function.__globals__ is namespace and _registers(function.__code__, namespace, seen):
+        return function
+    if _names_a_registering_method(function.__code__):
+        return function
+    return None
+
+
+def _names_a_registering_method(code: CodeType) -> bool:
+    return PRE_HOOK in code.co_names or OFF_HOOK in code.co_names
+
+
+def _registers(code: CodeType, namespace: dict[str, Any], seen: frozenset[CodeType]) -> bool:
+    """Whether ``code`` names a registering method, itself or through functions of the same module."""
+    if _names_a_registering_method(code):
+        return True
+    helpers = [namespace.get(name) for name in code.co_names]
+    own = [f.__code__ for f in helpers if isinstance(f, FunctionType) and f.__globals__ is namespace]
+    return any(_registers(each, namespace, seen | {code}) for each in own if each not in seen | {code})
+
+
+def _names_elsewhere(code: CodeType) -> bool:
+    """Whether a string constant of ``code`` is a registering method's name, or a function defined inside
+    it names one (a registration this reading cannot follow)."""
+    constants = code.co_consts
+    nested = [each for each in constants if isinstance(each, CodeType)]
+    named = any(map(_names_a_registering_method, nested))
+    return named or PRE_HOOK in constants or OFF_HOOK in constants or any(map(_names_elsewhere, nested))
 
 
 def _registration(

@@ -20,7 +20,7 @@ from bnb_gc_fix.installed import has_module
 from bnb_gc_fix.libraries import BITSANDBYTES, LIBRARIES, Library
 from bnb_gc_fix.lines import counted, labelled, possessive
 from bnb_gc_fix.releases import version_of
-from bnb_gc_fix.verdict import NOT_AFFECTED, PROTECTED, STATES, UNPROTECTED, Facts, Hooks
+from bnb_gc_fix.verdict import NOT_AFFECTED, PROTECTED, STATES, UNPROTECTED, Facts, Hooks, LibraryStatus
 
 if TYPE_CHECKING:
     from bnb_gc_fix.reading import Reading
@@ -33,21 +33,6 @@ RESET_ADVICE = "bnb_gc_fix.reset() switches it off, once no forward runs and no 
 
 
 @dataclass(frozen=True)
-class LibraryStatus:
-    """One library that may register the leaking pair (bitsandbytes, axolotl's copy)."""
-
-    name: str
-    version: str | None  # None while it is not imported
-    hooks: str | None  # what its hooks do: "leak this way", "do not leak this way", "cannot be read"
-    fixed: bool  # the fix is in its hooks now
-    state: str  # one of STATES
-    reason: str  # why, and what to do, in a sentence
-    covered: int  # the modules quantized with it that the fix covers
-    at_next_forward: int  # those quantized with it before the fix went in: it covers each at its next forward
-    leaking: int  # the modules quantized with it that run its hooks without the fix
-
-
-@dataclass(frozen=True)
 class Status:
     """Where the fix stands in this process (or, from :func:`for_a_job`, for a job here)."""
 
@@ -55,7 +40,6 @@ class Status:
     asked_by: str | None  # who asked for the fix: "the start-up hook", "import bnb_gc_fix", "activate()"
     switch: str | None  # BNB_GC_FIX as the activation that asked for the fix read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
-    watching: tuple[str, ...]  # the libraries' modules it still waits for here (none imported yet)
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds
     from_the_fix: int  # how many of the counter's switch-ons are the fix's own forwards', on every thread
@@ -93,10 +77,12 @@ class Status:
     def library(self, name: str) -> LibraryStatus:
         return next(library for library in self.libraries if library.name == name)
 
-    def lines(self) -> list[str]:
+    def lines(self, everywhere: bool = False) -> list[str]:
         """What ``print(status())`` shows: state, fix, cache, and another library only where one is
-        imported beside the one the state comes from."""
-        lines = [self.state_line(), self.fix_line(), self.cache_line()]
+        imported beside the one the state comes from; ``everywhere``: ``bnb-gc-fix status``'s, for this
+        environment's processes (no cache line: the command's own process trains nothing)."""
+        lines = [self.state_line(), self.fix_line(everywhere)]
+        lines += [] if everywhere else [self.cache_line()]
         others = [lib for lib in self.libraries if lib.version is not None and lib is not self.worst]
         lines += [labelled(f"{lib.name} {lib.version}", f"{lib.state}: {lib.reason}") for lib in others]
         return lines
@@ -178,7 +164,7 @@ def _elsewhere(status: Status, everywhere: bool) -> str:
             "; the start-up hook did not run here, so a process that never imports bnb_gc_fix gets no "
             "fix (docs/reference.md: where the start-up hook cannot run)"
         )
-    if everywhere:
+    if everywhere and status.fixed:
         return "; the start-up hook does the same in every process here"
     return ""
 
@@ -257,46 +243,28 @@ def _facts(library: Library, job: bool) -> Facts:
 
 
 def _counted(facts: Facts, imported: bool) -> Facts:
-    """The facts with the modules counted: those a job would quantize, or this process's."""
+    """The facts with this process's modules counted (none for a job: the verdict answers for its own)."""
     library = facts.library
     needs_the_fix = facts.hooks is not Hooks.DO_NOT_LEAK or facts.fixed
-    if not imported or not needs_the_fix:
+    if not imported or not needs_the_fix or facts.job:
         return facts
-    if facts.job:
-        return replace(facts, covered=int(facts.fixed), leaking=int(not facts.fixed))
     if not facts.fixed:
         return replace(facts, leaking=census.quantized_with(library.module_name))
     return replace(
         facts,
         covered=cover.number_covered(library.name),
-        at_next_forward=cover.number_awaiting(library.name, census.noted(library.module_name)),
+        at_next_forward=cover.number_awaiting(census.noted(library.module_name)),
         leaking=cover.number_uncoverable(library.name),
-    )
-
-
-def _library_status(facts: Facts) -> LibraryStatus:
-    state, reason = verdict.judged(facts)
-    return LibraryStatus(
-        name=facts.library.name,
-        version=facts.version,
-        hooks=None if facts.hooks is None else facts.hooks.value,
-        fixed=facts.fixed,
-        state=state,
-        reason=reason,
-        covered=facts.covered,
-        at_next_forward=facts.at_next_forward,
-        leaking=facts.leaking,
     )
 
 
 def _status(job: bool) -> Status:
     counter = cache.counter() if cache.parametrize() is not None else None
     return Status(
-        libraries=tuple(_library_status(_facts(library, job)) for library in LIBRARIES),
+        libraries=tuple(verdict.judged(_facts(library, job)) for library in LIBRARIES),
         asked_by=activation.fix.asked_by,
         switch=activation.fix.switch,
         start_up_hook_ran=startup.started,
-        watching=tuple(name for name in startup.WATCHED if startup.started and name not in sys.modules),
         counter=counter,
         cache_bytes=cache.cached_bytes() if counter is not None else None,
         from_the_fix=ledger.count_every_thread(),

@@ -47,8 +47,38 @@ class Facts:
     leaking: int = 0  # those that run its hooks without the fix (or that the fix cannot cover)
 
 
-def judged(facts: Facts) -> tuple[str, str]:
-    """The library's state and the reason, with what to do."""
+@dataclass(frozen=True)
+class LibraryStatus:
+    """One library that may register the leaking pair (bitsandbytes, axolotl's copy), judged."""
+
+    name: str
+    version: str | None  # None while it is not imported
+    hooks: str | None  # what its hooks do: "leak this way", "do not leak this way", "cannot be read"
+    fixed: bool  # the fix is in its hooks now
+    state: str  # one of STATES
+    reason: str  # why, and what to do, in a sentence
+    covered: int  # the modules quantized with it that the fix covers
+    at_next_forward: int  # those quantized with it before the fix went in: it covers each at its next forward
+    leaking: int  # the modules quantized with it that run its hooks without the fix
+
+
+def judged(facts: Facts) -> LibraryStatus:
+    """The library's state and the reason, with what to do, beside its facts."""
+    state, reason = _state_and_reason(facts)
+    return LibraryStatus(
+        name=facts.library.name,
+        version=facts.version,
+        hooks=None if facts.hooks is None else facts.hooks.value,
+        fixed=facts.fixed,
+        state=state,
+        reason=reason,
+        covered=facts.covered,
+        at_next_forward=facts.at_next_forward,
+        leaking=facts.leaking,
+    )
+
+
+def _state_and_reason(facts: Facts) -> tuple[str, str]:
     if facts.hooks is None:
         return _not_imported(facts)
     if facts.hooks is Hooks.DO_NOT_LEAK and not facts.fixed:
@@ -77,9 +107,9 @@ def _not_imported(facts: Facts) -> tuple[str, str]:
 def _leaking_or_unreadable(facts: Facts) -> tuple[str, str]:
     """Where the library's hooks leak this way, cannot be read, or have the fix (force) in them."""
     named = f"{facts.library.name} {facts.version}"
-    if facts.leaking:
+    if facts.leaking or (facts.job and not facts.fixed):  # a job's modules run what this process's would
         return UNPROTECTED, f"{_running(facts, facts.leaking)}: {facts.why_not}"
-    if facts.covered or facts.at_next_forward:
+    if facts.covered or facts.at_next_forward or facts.job:
         return PROTECTED, _covering(facts)
     if facts.fixed:
         return NOT_AFFECTED, _nothing_quantized(facts.library, f"only such weights leak, in {named}")

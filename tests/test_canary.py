@@ -1,8 +1,8 @@
 """The canary: what bnb-gc-fix relies on inside torch and bitsandbytes, checked on the installed releases.
 
 The fix edits torch's module hook dictionaries, counts on torch's global parametrization cache, reads
-bitsandbytes' register function's code (or what it registers on a module quantized with it), gives the
-two hook functions it finds its code, and wraps the register function. None of that is a public API
+bitsandbytes' register function's code, gives the two hook functions it finds its code, and wraps the
+register function. None of that is a public API
 of torch or bitsandbytes: a new release may change any of it. Each test here states one such fact
 and fails loudly (it never skips) when the installed release no longer has it; the cell ``latest``
 (cells.toml) runs it on the newest torch, bitsandbytes and transformers of the day, and the README's
@@ -69,8 +69,8 @@ def test_torch_runs_what_the_hook_dictionaries_hold_in_their_order() -> None:
 
 def test_only_always_called_hooks_run_when_a_forward_raises_and_none_on_keyboard_interrupt() -> None:
     """An Exception leaving a forward (checkpointing's early stop) runs always-called hooks only, which is
-    why the fix's forward hook is one; a BaseException (Ctrl-C) runs none, which is what the fix's
-    re-entry rule (the hold given back at the module's next forward) is for."""
+    why the fix's forward hook is one; a BaseException (Ctrl-C) runs none, which is why the fix switches
+    off what a module's forward left on at that module's next forward."""
     assert fact("torch", "hooks_when_the_forward_raises") == {
         "RuntimeError": ["always_call"],
         "KeyboardInterrupt": [],
@@ -107,7 +107,8 @@ def test_parametrized_attributes_are_cached_whenever_the_counter_is_above_zero()
 
 def test_compiler_switches() -> None:
     """``torch.compiler.is_dynamo_compiling`` is folded to True in a trace and False in eager code (a
-    hold taken in a trace gets ticket 0, so Dynamo compiles no graph anew for each)."""
+    switch-on made in a trace gets the one ticket ``ledger.COMPILED``, so Dynamo compiles no graph anew for
+    each)."""
     assert fact("dynamo", "switches") == {"folded_true_when_traced": True, "false_in_eager": True}
 
 
@@ -122,18 +123,18 @@ def test_bitsandbytes_is_installed_with_the_parametrize_module() -> None:
 
 
 def test_bitsandbytes_functions() -> None:
-    """The register function the fix reads (by its name; renamed, the fix is silent and reads nothing) and
-    ``replace_parameter_4bit(module, param_name, ...)``."""
+    """The register function the fix reads (by its name; renamed, the fix cannot read the hooks and says
+    so) and ``replace_parameter_4bit(module, param_name, ...)``."""
     found = fact("bitsandbytes", "functions")
     assert found == {"_register_parametrization_hooks": True, "replace_parameter_4bit": True}
 
 
 def test_the_package_reads_the_installed_release() -> None:
-    """What reading.py finds on the installed release: the leaking pair in the affected range, an
+    """What reading.py reads of the installed release's code: the leaking pair in the affected range, an
     always-called one after, either one the fix can take the place of."""
     assert fact("bitsandbytes", "read") == {
-        "kind": "LEAKS" if AFFECTED else "ALWAYS_OFF",
-        "replaceable": True,
+        "hooks": "leak this way" if AFFECTED else "do not leak this way",
+        "pair": True,
     }
 
 

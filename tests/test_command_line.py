@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from conftest import (
     cli_calls,
     command,
     environment,
+    pip_target,
     run_code,
     run_python,
     unwrapped,
@@ -77,9 +79,9 @@ PATHS = {
         [],
         "bitsandbytes 0.47.0 has no bitsandbytes.nn.parametrize",
     ),
-    # A register function whose hook function is gone: its code does not say what it registers, so the fix
-    # would read the first module it quantizes (no warning: nothing leaks yet), and bitsandbytes' own
-    # quantization fails inside the check's model.
+    # A register function whose hook function is gone: its code does not say plainly what it registers, so
+    # the fix stays out (its one warning ignored here), and bitsandbytes' own quantization fails inside the
+    # check's model.
     "unexpected-internals": (
         WITHOUT_STARTUP_HOOK
         + "import warnings; warnings.simplefilter('ignore')\n"
@@ -115,9 +117,18 @@ def test_every_check_path_exits_2_with_one_json_object(path: str) -> None:
     assert message in unwrapped(text_err) and max(len(line) for line in text_err.splitlines()) <= 100
     for word in INTERNALS:
         assert word not in text_err + payload["error"], word
-    if path == "unexpected-internals":
-        assert payload["status"]["state"] == "not affected"
-        assert "registers on the next module it quantizes" in unwrapped(payload["status"]["reason"])
+    if path == "unexpected-internals":  # the hooks cannot be read: status says so, and the fix is not in
+        status = payload["status"]
+        [bitsandbytes] = [each for each in status["libraries"] if each["name"] == "bitsandbytes"]
+        assert bitsandbytes["hooks"] == "cannot be read" and status["fixed"] is False
+        # The check's half-quantized module counts while it is alive (a reference cycle until collected).
+        assert status["state"] == ("unprotected" if bitsandbytes["leaking"] else "not affected")
+        unreadable = (
+            "the fix could not be put in: bnb-gc-fix cannot read its hooks (the code of "
+            "bitsandbytes.nn.parametrize._register_parametrization_hooks() does not say plainly what it "
+            "registers); `bnb-gc-fix check` shows whether they leak"
+        )
+        assert unreadable in unwrapped(status["reason"]), status["reason"]
 
 
 def test_check_cuda_on_this_cpu_only_torch_from_the_console_script() -> None:
@@ -233,6 +244,17 @@ def test_check_json_matches_its_table() -> None:
 # --- the `status` command on this stack ----------------------------------------------------------
 
 
+#: The command's closing notes: a job that uses BitsAndBytesConfig alone, and where its answer comes from.
+LAYERS_ALONE = (
+    "note: a job here that uses BitsAndBytesConfig alone (load_in_4bit or load_in_8bit) is not affected: "
+    "its Linear4bit and Linear8bitLt layers never use this cache"
+)
+READ_FROM_THE_CODE = (
+    "note: this comes from reading the libraries' code, not from a job; in your job, "
+    "print(bnb_gc_fix.status()) after a training step"
+)
+
+
 @pytest.mark.stack
 def test_status_command_and_its_json_on_this_stack() -> None:
     (text_code, text, _), (json_code, line, err) = cli_calls(["status"], ["status", "--json"])
@@ -241,18 +263,20 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     [line] = line.splitlines()
     facts = json.loads(line)
     assert line == json.dumps(facts, sort_keys=True)
-    # Issue 51: it answers for the environment, what a job here that quantizes with
+    # Issues 51 and 54: it answers for the environment, what a job here that quantizes with
     # replace_parameter_4bit gets, from the library's code; this command's own process quantizes nothing.
     bitsandbytes = facts["libraries"][0]
     assert bitsandbytes["name"] == "bitsandbytes" and bitsandbytes["version"] == BITSANDBYTES
-    assert bitsandbytes["affected"] is AFFECTED and bitsandbytes["fixed"] is AFFECTED
+    hooks = "leak this way" if AFFECTED else "do not leak this way"
+    assert bitsandbytes["hooks"] == hooks and bitsandbytes["fixed"] is AFFECTED is facts["fixed"]
     assert facts["state"] == bitsandbytes["state"] == ("protected" if AFFECTED else "not affected")
     assert facts["reason"] == bitsandbytes["reason"]
     assert facts["process"]["state"] == "not affected" and facts["process"]["covered"] == 0
     assert facts["process"]["counter"] == 0 and facts["process"]["cache_bytes"] == 0
     assert str(TORCH) == facts["torch"]
-    # The command's own import of the package turned the fix on.
-    assert facts["on"] is True and facts["process"]["asked_by"] == "import bnb_gc_fix"
+    # The command's own import of the package asked for the fix: asked for, and whether it went in, are
+    # two facts (there is no "on").
+    assert facts["asked_by"] == facts["process"]["asked_by"] == "import bnb_gc_fix" and "on" not in facts
     assert facts["switch"] is None and facts["import_errors"] == []
     for key in ("python", "transformers", "reason", "bnb_gc_fix"):
         assert facts[key]
@@ -262,37 +286,109 @@ def test_status_command_and_its_json_on_this_stack() -> None:
     assert lines[0].startswith("bnb-gc-fix ") and f"torch {TORCH}" in lines[0]
     assert f"bitsandbytes {BITSANDBYTES}" in lines[0]
     assert f"state: {facts['state']}: {facts['reason']}" in said
+    everywhere = "(BNB_GC_FIX unset); the start-up hook does the same in every process here"
     if AFFECTED:
-        job = "a job here that quantizes with replace_parameter_4bit gets the fix"
-        assert f"{job}: bitsandbytes {BITSANDBYTES}'s hooks leak this way, and the fix is in them" in said
-        assert "fix: on (BNB_GC_FIX unset); processes here that never import bnb_gc_fix get it too" in said
-    else:  # the fix is on, and not needed: bitsandbytes' own hooks switch the cache off
-        said_of_it = f"the hooks of bitsandbytes {BITSANDBYTES} do not leak this way (BNB_GC_FIX unset)"
+        job = "the fix covers the modules a job here quantizes with replace_parameter_4bit"
+        assert f"state: protected: {job} fix: in bitsandbytes {BITSANDBYTES}'s hooks {everywhere}" in said
+    else:  # the fix was asked for, and is not needed: bitsandbytes' own hooks switch the cache off
+        said_of_it = f"the hooks of bitsandbytes {BITSANDBYTES} do not leak this way {everywhere}"
         assert f"fix: not needed here: {said_of_it}" in said
     assert said.count(facts["reason"]) == 1 and not any(line.startswith("cache:") for line in lines)
     assert not [line for line in lines if line.startswith(("bitsandbytes", "axolotl"))]  # no library line
-    assert unwrapped(lines[-2] + " " + lines[-1]) == (
-        "note: this comes from reading the libraries' code, not from a job; in your job, "
-        "print(bnb_gc_fix.status()) after a training step"
-    )
+    assert said.endswith(f"{LAYERS_ALONE} {READ_FROM_THE_CODE}")
+
+
+@pytest.mark.parametrize("switch", [None, "0"], ids=["fix on", "switched off"])
+def test_status_command_tells_a_bitsandbytesconfig_alone_reader_they_are_not_affected(
+    switch: str | None,
+) -> None:
+    """Issue 54's finding 5: a QLoRA user (BitsAndBytesConfig alone) read `state: protected` as a risk to
+    their setup. The state line says it answers for a job that quantizes with replace_parameter_4bit, and
+    a note says a job with BitsAndBytesConfig alone is not affected, with the fix on or off."""
+    [(code, text, err)] = cli_calls(["status"], switch=switch)
+    assert code == 0, err
+    said = unwrapped(text)
+    [state] = [unwrapped(each) for each in re.split(r"\n(?=\S)", text) if each.startswith("state:")]
+    job = "the modules a job here quantizes with replace_parameter_4bit"
+    if not AFFECTED:
+        assert state.startswith("state: not affected: ") and f"bitsandbytes {BITSANDBYTES}'s hooks" in state
+    elif switch is None:
+        assert state == f"state: protected: the fix covers {job}", state
+    else:  # the control: such a job leaks; one with BitsAndBytesConfig alone still does not
+        assert state.startswith(f"state: unprotected: {job} leak this way: the fix is off"), state
+    assert LAYERS_ALONE in said and said.count("BitsAndBytesConfig") == 1
 
 
 def test_status_command_with_the_switch_off_says_what_a_job_here_gets() -> None:
     """Issue 51: with BNB_GC_FIX=0 every job here that quantizes with replace_parameter_4bit leaks on an
-    affected release, and the command says so, with whether the library's hooks leak (8dd19c6: `not
-    affected`, and `"affected": null` in the JSON)."""
+    affected release, and the command says so, with what the library's hooks do (8dd19c6: `not affected`,
+    and `"affected": null` in the JSON)."""
     (_, text, _), (_, line, _) = cli_calls(["status"], ["status", "--json"], switch="0")
     facts = json.loads(line)
     bitsandbytes = facts["libraries"][0]
-    assert bitsandbytes["affected"] is AFFECTED and bitsandbytes["fixed"] is False and facts["on"] is False
+    assert bitsandbytes["hooks"] == ("leak this way" if AFFECTED else "do not leak this way")
+    assert bitsandbytes["fixed"] is facts["fixed"] is False and facts["asked_by"] is None
     assert facts["state"] == ("unprotected" if AFFECTED else "not affected")
     if AFFECTED:
-        job = "a job here that quantizes with replace_parameter_4bit leaks"
-        said = (
-            f"{job}: bitsandbytes {BITSANDBYTES}'s hooks leak this way, and the fix is off (BNB_GC_FIX='0';"
+        job = "the modules a job here quantizes with replace_parameter_4bit leak this way"
+        off = "the fix is off (BNB_GC_FIX='0'; unset it to turn the fix on)"
+        assert f"state: unprotected: {job}: {off}" in unwrapped(text)
+    assert "fix: off (BNB_GC_FIX='0') note:" in unwrapped(text)
+
+
+# Issue 54, "One verdict": status() and `bnb-gc-fix status` are one function over one set of facts. In one
+# process that quantized a module with replace_parameter_4bit and trained a checkpointed step, status()
+# says of that module what the command says of a job that quantizes with it: the same state in the same
+# words, and the same fix line. On bitsandbytes 0.50.2 (hooks that do not leak), the fix on or off, both
+# say "not affected" for the same reason (d75b8f8's status() read that as a risk: "would run without the
+# fix: the fix is off").
+ONE_VERDICT = """
+import contextlib, io
+import bnb_gc_fix, quantized
+from bnb_gc_fix.cli import main
+quantized.checkpointed_counters(quantized.make(params=1), steps=1)
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    main(["status"])
+s = bnb_gc_fix.status()
+print(json.dumps({"process": [s.state_line(), s.fix_line(everywhere=True)], "command": out.getvalue()}))
+"""
+
+
+def _as_a_jobs(line: str) -> str:
+    """What status() says of the module it counts, said of a job's modules, as the command says it."""
+    quantized = "1 module quantized here with replace_parameter_4bit"
+    job = "the modules a job here quantizes with replace_parameter_4bit"
+    return line.replace(f"{quantized} leaks", f"{job} leak").replace(quantized, job)
+
+
+@pytest.mark.parametrize(
+    ("release", "switch"),
+    [("installed", None), ("installed", "0"), ("0.50.2", None), ("0.50.2", "0")],
+    ids=["installed", "installed BNB_GC_FIX=0", "0.50.2", "0.50.2 BNB_GC_FIX=0"],
+)
+def test_status_and_the_status_command_give_the_same_state_in_the_same_words(
+    release: str, switch: str | None
+) -> None:
+    if release == "installed":
+        run = run_code(ONE_VERDICT, prelude="scenarios", switch=switch)
+        version = BITSANDBYTES
+    else:
+        env = environment(switch, PYTHONPATH=str(pip_target(f"bitsandbytes=={release}")))
+        run = run_code(
+            ONE_VERDICT, prelude="scenarios", env=env, fresh=f"bitsandbytes {release} on PYTHONPATH"
         )
-        assert f"state: unprotected: {said}" in unwrapped(text)
-    assert "fix: off (BNB_GC_FIX='0')" in unwrapped(text)
+        version = release
+    seen = run.last_json
+    state, fix = (unwrapped(line) for line in seen["process"])
+    command = [unwrapped(each) for each in re.split(r"\n(?=\S)", seen["command"])]
+    assert command[1:3] == [_as_a_jobs(state), fix], (seen["process"], seen["command"])
+    if release == "0.50.2" or not AFFECTED:
+        assert state.startswith(f"state: not affected: bitsandbytes {version}'s hooks switch the cache off")
+    elif switch is None:
+        assert state == "state: protected: the fix covers 1 module quantized here with replace_parameter_4bit"
+    else:
+        assert state.startswith("state: unprotected: 1 module quantized here with replace_parameter_4bit")
 
 
 # A source checkout of bitsandbytes first on PYTHONPATH over the installed release (issue 51): the
@@ -362,4 +458,4 @@ def test_status_command_without_bitsandbytes_says_so() -> None:
     said = unwrapped(result.stdout)
     assert "state: not affected: bitsandbytes cannot be imported here" in said
     assert "import: bitsandbytes is not installed" in said
-    assert "not imported here" not in said and "turned on by" not in said  # issue 42's finding 8
+    assert "not imported here" not in said  # issue 42's finding 8

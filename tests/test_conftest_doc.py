@@ -72,8 +72,9 @@ def test_never_uses_it():
 }
 
 
-# A plugin pytest loads before conftest.py (`-p early_plugin`): the start-up hook turns the fix on as it
-# imports bitsandbytes, so the block finds the fix on, which it cannot switch off: it stops the run.
+# A plugin pytest loads before conftest.py (`-p early_plugin`): as it imports bitsandbytes' 4-bit module, the
+# start-up hook asks for the fix and puts it into that module's hooks, so the block finds the fix asked
+# for, which it cannot switch off: it stops the run.
 EARLY_PLUGIN = """
 import bitsandbytes.nn.parametrize
 """

@@ -3,13 +3,15 @@
 The rule for each scenario: where the control runs (``BNB_GC_FIX=0``, or the same program without the
 package's help), the fixed run runs too, and ends no worse. Each runs in a process of its own. The
 torch.compile scenarios are in ``test_compile.py``; the switch-on rule over random programs in
-``test_gate_invariants.py``; bitsandbytes releases whose code the package does not know in
+``test_hook_invariants.py``; bitsandbytes releases whose code the package does not know in
 ``test_reading.py``.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -117,10 +119,15 @@ def test_status_with_the_switch_off_gives_one_answer() -> None:
     _, switched_on, _ = command("status", "--json")  # the same process with the fix on
     process, process_on = facts["process"], json.loads(switched_on)["process"]
     assert process_on["state"] == process["state"] == "not affected"
-    assert process["libraries"][0]["affected"] is None  # the process's fix off reads nothing of the hooks
-    assert process["on"] is False and process["asked_by"] is None and process["switch"] == "0"
-    said = "Weights quantized that way would run without the fix: the fix is off (BNB_GC_FIX='0'"
-    assert said in process["reason"]
+    assert process["asked_by"] is None and process["fixed"] is False and process["switch"] == "0"
+    # Issue 54's finding 2: the process's answer names what the library's hooks do, read from its code.
+    hooks = "leak this way" if AFFECTED else "do not leak this way"
+    assert process["libraries"][0]["hooks"] == hooks
+    if AFFECTED:
+        said = "weights quantized that way would leak this way"
+        assert said in process["reason"] and "the fix is off (BNB_GC_FIX='0'" in process["reason"]
+    else:  # a release that needs no fix: nothing reads as a risk
+        assert "the fix is off" not in process["reason"]
     assert facts["state"] == ("unprotected" if AFFECTED else "not affected")
     assert json.loads(switched_on)["state"] == ("protected" if AFFECTED else "not affected")
     assert "fix: off (BNB_GC_FIX='0') note:" in unwrapped(text)  # off: nothing more to say of it
@@ -199,7 +206,7 @@ def test_bitsandbytes_imported_again_unseen_reads_not_affected_until_quantized_a
     state, reason = out["after"]
     # Nothing quantized with the new module yet: not affected, so far, and what would leak and why.
     assert state == "not affected" and "imported again where bnb-gc-fix could not see it" in reason
-    assert "Weights quantized that way would run without the fix" in reason and "activate()" in reason
+    assert "weights quantized that way would leak this way" in reason and "activate()" in reason
     assert out["steps"][-1] > 0 and out["state while it is alive"] == "unprotected"  # quantized now: leaks
     assert out["activated"] == [0, 0, 0] and out["state"] == "protected"
     assert out["the fix's code"] == [True] * 4  # the new module's functions got it at activate()
@@ -230,6 +237,95 @@ def test_a_late_import_covers_the_modules_quantized_before_it_at_their_next_forw
 def test_a_late_import_control_the_same_process_without_it_leaks() -> None:
     out = run_code(LATE, "never", prelude="scenarios-without-startup-hook").last_json
     assert out["counters"][-1] > out["counters"][0] > 0
+
+
+# --- a dependency of the fix that fails to import ---------------------------------------------------
+
+# Issue 54's finding 3: a wrapt that fails to import (its C extension a broken build, as a wheel made for
+# another platform is) first on PYTHONPATH. The start-up hook asks for the fix at bitsandbytes' import;
+# the fix cannot go in, the library runs as without it, one warning says why, and activate() again adds
+# none. Every warning of the process is caught, the start-up hook's included.
+BROKEN_WRAPT = (
+    """
+import warnings
+catching = warnings.catch_warnings(record=True)
+caught = catching.__enter__()
+warnings.simplefilter("always")
+"""
+    + LEAK
+    + """
+import wrapt_folder_check
+counters = steps(quantized.make(params=2))
+fix = sys.modules.get("bnb_gc_fix")
+def ours():
+    return [" ".join(str(w.message).split()) for w in caught if issubclass(w.category, fix.BnbGcFixWarning)]
+out = {"counters": counters, "package": fix is not None}
+if fix is not None:
+    first = ours()
+    again = fix.activate()
+    s = fix.status()
+    out.update(warnings=first, again=ours()[len(first):], asked_by=s.asked_by, fixed=s.fixed,
+               state=s.state, reason=" ".join(s.reason.split()), fix_line=" ".join(s.fix_line().split()),
+               again_state=again.state)
+print(json.dumps(out))
+"""
+)
+
+
+#: Ways a wrapt first on the path fails to import, each as its ``__init__.py`` and the files beside it.
+BROKEN_WRAPTS = {
+    "its C extension cannot be loaded": (  # a shared object this Python cannot load
+        "from ._wrappers import FunctionWrapper, ObjectProxy\n",
+        {f"_wrappers{importlib.machinery.EXTENSION_SUFFIXES[0]}": "not a shared object\n"},
+    ),
+    "a module of its own is missing": ("from ._wrappers import FunctionWrapper, ObjectProxy\n", {}),
+    "its __init__ raises ImportError": ("raise ImportError('this wrapt cannot be imported here')\n", {}),
+}
+CHECK_THE_BROKEN_WRAPT = (
+    "try:\n    import wrapt\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+)
+
+
+def _broken_wrapt(tmp_path: Path, how: str) -> Path:
+    """A folder holding a ``wrapt`` whose import fails ``how``, and ``wrapt_folder_check``, which fails
+    where the wrapt found imports."""
+    folder = tmp_path / "broken-wrapt"
+    package = folder / "wrapt"
+    package.mkdir(parents=True)
+    init, beside = BROKEN_WRAPTS[how]
+    (package / "__init__.py").write_text(init)
+    for name, text in beside.items():
+        (package / name).write_text(text)
+    (folder / "wrapt_folder_check.py").write_text(CHECK_THE_BROKEN_WRAPT)
+    return folder
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (else the control does not leak)")
+@pytest.mark.parametrize("how", list(BROKEN_WRAPTS))
+def test_a_wrapt_that_fails_to_import_leaves_the_library_as_it_is_and_status_says_why(
+    tmp_path: Path, how: str
+) -> None:
+    fresh = "a broken wrapt first on PYTHONPATH"
+    runs = {}
+    for switch in (None, "0"):
+        env = environment(switch, PYTHONPATH=str(_broken_wrapt(tmp_path / str(switch), how)))
+        runs[switch] = run_code(BROKEN_WRAPT, prelude="scenarios", env=env, fresh=fresh).last_json
+    out, control = runs[None], runs["0"]
+    assert control == {"counters": [2, 4, 6], "package": False}
+    assert out["counters"] == control["counters"]  # the library's own hooks ran, as in the control
+    assert out["asked_by"] == "the start-up hook" and out["fixed"] is False  # asked for, and not in
+    [warning] = out["warnings"]  # one cause, one warning
+    named = f"bitsandbytes {BITSANDBYTES}"
+    assert re.match(rf"bnb-gc-fix is not in {named}: (ModuleNotFound|Import)Error: ", warning), warning
+    assert warning.endswith("; reinstall wrapt."), warning
+    assert out["again"] == [] and out["again_state"] == "unprotected"  # activate() again: the same, silent
+    assert out["state"] == "unprotected"
+    leaks = "1 module quantized here with replace_parameter_4bit leaks this way: the fix could not be put in"
+    assert re.match(rf"{leaks}: (ModuleNotFound|Import)Error: ", out["reason"]), out["reason"]
+    assert out["reason"].endswith("; reinstall wrapt")
+    assert "import hook" not in out["reason"] and "activate()" not in out["reason"]
+    said = f"fix: not in {named}'s hooks: the state says why (BNB_GC_FIX unset)"
+    assert out["fix_line"] == said  # never "fix: in bitsandbytes ...'s hooks"
 
 
 # --- the start-up hook never perturbs the import system -----------------------------------------

@@ -28,6 +28,8 @@ def test_a_forked_child_never_blocks_and_keeps_only_its_own_threads_switch_ons()
     # The serving thread stopped inside every function of the package its inner call ran, and once
     # inside the inner forward: a child forked at each stop.
     assert len(children) > 2 and {"stop": "inside the inner forward", "at_fork": 0, "after": 0} in children
+    # ...the functions that nest the inner call in the outer one and give its entry back among them.
+    assert {"calls_running", "nest", "unnest"} <= {child["stop"] for child in children}
     for child in children:
         assert child == {"stop": child["stop"], "at_fork": 0, "after": 0}  # never hung, never inherited
     # The control's child inherits the serving thread's two switch-ons (outer and inner call) for good.
@@ -198,10 +200,10 @@ def test_a_deep_copy_has_switch_ons_of_its_own() -> None:
 
 
 # Another tool wraps a covered module's pre-hook (a functools.partial of it), and the module is deep-copied
-# (an EMA or a teacher copy): the copy cannot be covered (its pre-hook is not the fixed function), and its
-# off hook keeps the original's mark. Its switch-ons are recorded all the same, so its forwards leave
-# nothing on (a second reviewer's finding: 3 after three forwards, 0 without the fix), and one that raises
-# leaves no more than the control's.
+# (an EMA or a teacher copy): the module stays covered, and the copy cannot be covered (its pre-hook is not
+# the fixed function), so it runs the library's own arithmetic, its off hook no longer marked always called
+# (a second reviewer's finding on an earlier version: 3 after three forwards, 0 without the fix). The
+# counter after three forwards of each, then after one that raises.
 WRAPPED_THEN_COPIED = """
 import copy, functools, torch
 import bnb_gc_fix, quantized
@@ -222,32 +224,35 @@ for name, each in (("module", module), ("copy", clone)):
         pass
     seen[name].append(quantized.counter())
     quantized.reset()
-fix = sys.modules.get("bnb_gc_fix")
-print(json.dumps({"seen": seen, "state": fix.status().state if fix.status().on else None}))
+status = bnb_gc_fix.status()
+print(json.dumps({"seen": seen, "state": status.state if status.fixed else None}))
 """
 
 
 def test_a_wrapped_pre_hook_and_a_copy_of_its_module_leave_no_more_than_the_control() -> None:
     fixed = run_code(WRAPPED_THEN_COPIED, prelude="scenarios", switch=FIX).last_json
     control = run_code(WRAPPED_THEN_COPIED, prelude="scenarios", switch="0").last_json
-    assert fixed["seen"] == {"module": [0, 0], "copy": [0, 0]}, fixed
+    if AFFECTED:  # bitsandbytes 0.48-0.49's plain pair: a forward that raises leaves its +1
+        assert control["seen"] == {"module": [0, 1], "copy": [0, 1]}
+    assert fixed["seen"] == {"module": [0, 0], "copy": [0, 1]}, fixed  # the copy: as the control
     for name in ("module", "copy"):
-        assert fixed["seen"][name][0] <= control["seen"][name][0] == 0  # normal forwards: nothing left on
         assert fixed["seen"][name][1] <= control["seen"][name][1]
     assert fixed["state"] == "unprotected"  # the copy cannot be covered, and status says so
 
 
-# Issue 50's finding 1: a module of two quantized weights whose pre-hooks stand behind another tool's
-# function, one forward inside a P.cached() block: the counter inside the block after the forward, after
-# the block, and after one more forward. Each of the tool's functions calls the fixed pre-hook, and the
-# module cannot be covered, so each call is a switch-on of its own and each off hook gives back one of them:
-# never the block's (8dd19c6: [0, -1, 0], the block's count taken and the cache left on for good).
+# Issue 54: a module of two quantized weights whose pre-hooks stand behind another tool's function runs as
+# without the fix: the library's own arithmetic, unclamped (+1 for each pre-hook call, -1 for each off hook
+# call, the cache emptied at 0), its off hooks plain. The counter and the cache's entries after each way
+# a forward ends, beside the control:
 # - "lambda": the tool replaces bitsandbytes' _enable_parametrization_cache with a lambda that calls it,
 #   before anything is quantized, the fix on from the start (the start-up hook);
 # - "wrapped": the tool wraps each pre-hook in the module's hook dictionary, in a process started with
-#   BNB_GC_FIX=0, then activate() (the control: no activate()).
+#   BNB_GC_FIX=0, then activate() (the control: no activate());
+# - "copied": the tool wraps a covered module's pre-hooks so, and the module is deep-copied (an EMA or a
+#   teacher copy): the copy, whose off hook the covered module's mark came with, is the module here (of
+#   one quantized weight: the fix folded the covered module's pairs into one).
 BEHIND_ANOTHER_TOOL = """
-import functools, os, torch
+import copy, functools, os, torch
 import torch.nn.utils.parametrize as P
 from bitsandbytes.nn import parametrize
 import quantized
@@ -255,41 +260,175 @@ tool, activate = sys.argv[1], sys.argv[2] == "activate"
 if tool == "lambda":
     enable = parametrize._enable_parametrization_cache
     parametrize._enable_parametrization_cache = lambda module, inputs: enable(module, inputs)
-module = quantized.make(params=2)
-if tool == "wrapped":
+
+class Block(quantized.Quantized):
+    def forward(self, x, fail=False, cached=False):
+        if cached:  # a P.cached() block inside the forward
+            with P.cached():
+                return super().forward(x, fail)
+        return super().forward(x, fail)
+
+torch.manual_seed(0)
+module = quantized.quantize(Block(params=1 if tool == "copied" else 2))
+if tool in ("wrapped", "copied"):
     hooks = module._forward_pre_hooks
     for key in list(hooks):
         hooks[key] = functools.partial(hooks[key])
+if tool == "copied":
+    module = copy.deepcopy(module)
 if activate:
     os.environ["BNB_GC_FIX"] = "auto"
     import bnb_gc_fix
     bnb_gc_fix.activate()
 x = torch.randn(2, 64)
-seen = []
-with P.cached():
+
+def refuse(module, args):
+    raise ValueError("another tool's pre-hook refuses")
+
+def refused(prepend):
+    handle = module.register_forward_pre_hook(refuse, prepend=prepend)
+    try:
+        module(x)
+    finally:
+        handle.remove()
+
+def interrupted():
+    quantized.interrupted_forward(module, x)
+    seen["a Ctrl-C, before the next forward"] = [quantized.counter(), len(P._cache)]
     module(x)
-    seen.append(quantized.counter())
-seen.append(quantized.counter())
-module(x)
-seen.append(quantized.counter())
+
+def in_a_block():
+    with P.cached():
+        module(x)
+        seen["a forward inside a P.cached() block, in the block"] = [quantized.counter(), len(P._cache)]
+
+def failing_in_a_block():
+    with P.cached():
+        try:
+            module(x, fail=True)
+        except RuntimeError:
+            pass
+        seen["a forward that raises inside a P.cached() block, in the block"] = [quantized.counter()]
+
+seen = {}
+for name, forward in {
+    "a forward": lambda: module(x),
+    "a forward that raises": lambda: module(x, fail=True),
+    "a tool's pre-hook ahead of the library's that raises": lambda: refused(prepend=True),
+    "a tool's pre-hook after the library's that raises": lambda: refused(prepend=False),
+    "a forward inside a P.cached() block": in_a_block,
+    "a forward that raises inside a P.cached() block": failing_in_a_block,
+    "a P.cached() block inside the forward": lambda: module(x, cached=True),
+    "a P.cached() block inside a forward that raises": lambda: module(x, fail=True, cached=True),
+    "a Ctrl-C, then the next forward": interrupted,
+}.items():
+    try:
+        forward()
+    except (RuntimeError, ValueError):
+        pass
+    seen[name] = [quantized.counter(), len(P._cache)]
+    quantized.reset()
 fix = sys.modules.get("bnb_gc_fix")
-print(json.dumps({"seen": seen, "state": fix.status().state if fix and fix.status().on else None}))
+print(json.dumps({"seen": seen, "state": fix.status().state if fix and fix.status().fixed else None}))
 """
 
 BEHIND = {  # the tool, and how the fix is on: the fixed run's switch and activate(), the control's
     "lambda": ((FIX, "start-up"), ("0", "start-up")),
     "wrapped": (("0", "activate"), ("0", "no-activate")),
+    "copied": ((FIX, "start-up"), ("0", "start-up")),
 }
 
 
 @pytest.mark.parametrize("tool", list(BEHIND))
-def test_a_module_behind_another_tools_pre_hooks_never_takes_a_p_cached_blocks_count(tool: str) -> None:
+def test_a_module_behind_another_tools_pre_hooks_leaves_the_counter_where_the_control_does(tool: str) -> None:
     (switch, how), (control_switch, control_how) = BEHIND[tool]
     fixed = run_code(BEHIND_ANOTHER_TOOL, tool, how, prelude="scenarios", switch=switch).last_json
     control = run_code(BEHIND_ANOTHER_TOOL, tool, control_how, prelude="scenarios", switch=control_switch)
-    assert control.last_json["seen"] == [1, 0, 0]  # the block's own count, then nothing left on
-    assert fixed["seen"] == control.last_json["seen"], fixed
+    seen = control.last_json["seen"]
+    assert seen["a forward"] == [0, 0]
+    assert seen["a forward inside a P.cached() block, in the block"][0] == 1  # the block's own count
+    if AFFECTED:  # bitsandbytes 0.48-0.49's plain pairs: what an exception leaves stays on
+        pairs = 1 if tool == "copied" else 2
+        assert seen["a forward that raises"][0] == seen["a Ctrl-C, then the next forward"][0] == pairs
+    assert fixed["seen"] == seen, fixed  # each way a forward ends: where the control leaves it
     assert fixed["state"] == "unprotected"  # an exception leaving its forward leaves the cache on: said
+
+
+# The known limit (docs/how-it-works.md): a module the fix cannot cover whose hook dictionaries a covered
+# module shares, as DataParallel's replicas share their original's (a shallow copy of its __dict__), after
+# another tool wrapped the pre-hook in that dictionary. The fix cannot drop the mark from the off hook
+# without unmarking the covered module's too, so torch calls it when a forward raises: where the
+# replica's forward raises, the counter ends at 0 (the control: 1), and where a pre-hook ahead of the
+# library's raises, at -1 (the control: 0). The covered module itself stays covered.
+SHARED_AND_UNCOVERABLE = """
+import functools, torch
+import quantized
+module = quantized.make(params=1)
+x = torch.randn(2, 64)
+module(x)
+replica = object.__new__(type(module))
+replica.__dict__ = module.__dict__.copy()  # shares the hook dictionaries, as DataParallel's replicas do
+hooks = replica._forward_pre_hooks
+for key in list(hooks):
+    hooks[key] = functools.partial(hooks[key])
+
+def refuse(module, args):
+    raise ValueError("a pre-hook ahead of bitsandbytes' refuses")
+
+def refused():
+    handle = replica.register_forward_pre_hook(refuse, prepend=True)
+    try:
+        replica(x)
+    finally:
+        handle.remove()
+
+seen = {}
+for name, forward in {
+    "a forward": lambda: replica(x),
+    "a forward that raises": lambda: replica(x, fail=True),
+    "a pre-hook ahead that raises": refused,
+    "a Ctrl-C": lambda: quantized.interrupted_forward(replica, x),
+    "the covered module's forward that raises": lambda: module(x, fail=True),
+}.items():
+    try:
+        forward()
+    except (RuntimeError, ValueError):
+        pass
+    seen[name] = quantized.counter()
+    quantized.reset()
+fix = sys.modules.get("bnb_gc_fix")
+state = fix.status().state if fix and fix.status().fixed else None
+marked = len(module._forward_hooks_always_called)
+print(json.dumps({"seen": seen, "state": state, "marked": marked}))
+"""
+
+
+@pytest.mark.skipif(not AFFECTED, reason="needs an affected bitsandbytes (0.50's own off hook is marked)")
+def test_known_limit_a_module_sharing_a_covered_modules_hook_dictionaries_keeps_the_mark() -> None:
+    fixed = run_code(SHARED_AND_UNCOVERABLE, prelude="scenarios", switch=FIX).last_json
+    control = run_code(SHARED_AND_UNCOVERABLE, prelude="scenarios", switch="0").last_json
+    assert control == {
+        "seen": {
+            "a forward": 0,
+            "a forward that raises": 1,
+            "a pre-hook ahead that raises": 0,
+            "a Ctrl-C": 1,
+            "the covered module's forward that raises": 1,
+        },
+        "state": None,
+        "marked": 0,
+    }
+    assert fixed == {
+        "seen": {
+            "a forward": 0,
+            "a forward that raises": 0,  # its off hook, marked, ran: better than the control
+            "a pre-hook ahead that raises": -1,  # ...and ran without its pre-hook: worse than the control
+            "a Ctrl-C": 1,  # as the control
+            "the covered module's forward that raises": 0,
+        },
+        "state": "unprotected",  # the replica cannot be covered
+        "marked": 1,  # the covered module's off hook, which the replica's is
+    }
 
 
 # Issue 50's finding 4: bitsandbytes' hook functions under the fix take the names they bind keyword-only,

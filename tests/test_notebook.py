@@ -16,7 +16,10 @@ environment; each runs the whole story once (module-scoped), and the tests read 
    and ``activate()`` under ``BNB_GC_FIX=0`` (the controls);
 6. (0.49.2, package on and its control) cells that run a cell: one that runs a cell with
    ``get_ipython().run_cell(...)``, then the interrupted forward of step 1 after it; and a ``%%capture``
-   cell whose captured body is the interrupted forward of step 1.
+   cell whose captured body is the interrupted forward of step 1;
+7. (0.49.2, package on and its control) a cell interrupted inside a forward of a block that calls itself
+   (issue 55), once inside its inner call and once inside its outer call after the inner one returned;
+   then the next cell, before any forward, and a forward of that block.
 
 The controls (``BNB_GC_FIX=0``) show the old behaviour: the start-up hook never fires, nothing releases.
 On bitsandbytes 0.50.2 in auto mode the package steps aside: what a Ctrl-C leaves on in upstream's pair
@@ -158,6 +161,26 @@ class Slow(nn.Module):
         return x @ w.t()
 
 
+# A block that calls itself once inside its forward (issue 55), its weight 4-bit; `slow`: which of its
+# calls spins, the cache switched on ("inner", or "outer" after the inner call returned).
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 64) * 0.05)
+        self.slow = None
+
+    def forward(s, x, depth=1):
+        x = x @ s.w
+        if depth:
+            x = s(x, depth - 1)
+        if s.slow == ("outer" if depth else "inner"):
+            print("forward started", file=SHOWN, flush=True)
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                pass
+        return x @ s.w.t()
+
+
 def state():
     cached = sum(t.numel() * t.element_size() for t in P._cache.values() if isinstance(t, torch.Tensor))
     print("STATE " + json.dumps([int(P._cache_enabled), cached]))
@@ -168,6 +191,8 @@ torch.manual_seed(0)
 A, B = Slow(), Slow()
 replace_parameter_4bit(A, "weight", quant_type="nf4")
 replace_parameter_4bit(B, "weight", quant_type="nf4")
+C = Block()
+replace_parameter_4bit(C, "w", quant_type="nf4")
 x = torch.randn(2, 64)
 import bitsandbytes
 fix = sys.modules.get("bnb_gc_fix")
@@ -235,9 +260,12 @@ class Story:
     after_runs_a_cell: list[int] | None = None
     captured: Cell | None = None
     after_captured: list[int] | None = None
+    # A cell interrupted inside the self-calling block's inner or outer call (0.49.2, package on and its
+    # control): that cell, the next cell's state before any forward, and the state after a forward of it.
+    calls_itself: dict[str, tuple[Cell, list[int], list[int]]] = field(default_factory=dict)
 
 
-def _story(tmp: Path, env: dict[str, str], held: bool, nested: bool) -> Story:
+def _story(tmp: Path, env: dict[str, str], held: bool, nested: bool, calls_itself: bool) -> Story:
     kernel = Kernel(tmp, env)  # fresh: a real kernel, interrupted by a real SIGINT
     try:
         setup = kernel.run(SETUP)
@@ -257,6 +285,12 @@ def _story(tmp: Path, env: dict[str, str], held: bool, nested: bool) -> Story:
             story.after_runs_a_cell = kernel.run("state(); bnb_gc_fix.reset()").state()
             story.captured = kernel.run(CAPTURED, interrupt_after="forward started", delay=1.0)
             story.after_captured = kernel.run("state(); bnb_gc_fix.reset()").state()
+        if calls_itself:
+            for where in ("inner", "outer"):
+                cell = kernel.run(f"C.slow = {where!r}; C(x)", interrupt_after="forward started", delay=1.0)
+                next_cell = kernel.run("state()").state()
+                after_forward = kernel.run("C.slow = None; C(x); state(); bnb_gc_fix.reset()").state()
+                story.calls_itself[where] = (cell, next_cell, after_forward)
         if held:
             story.held = kernel.run(HELD_ON_PURPOSE)
             story.after_held = kernel.run("state()").state()
@@ -287,8 +321,9 @@ ROWS = {
 CONTROLS = [row for row, (_, switch) in ROWS.items() if switch == "0"]
 FIXED = [row for row in ROWS if row not in CONTROLS]
 # Where the fix is in bitsandbytes' hooks (0.49.2, or force): what a Ctrl-C leaves on is the fix's.
-GATED = [row for row in FIXED if row != "0.50.2 auto"]
-# Where cells that run a cell are run: the fix on bitsandbytes 0.49.2, and its control.
+FIX_IN_THE_HOOKS = [row for row in FIXED if row != "0.50.2 auto"]
+# Where cells that run a cell, and the self-calling block's cells, are run: the fix on bitsandbytes
+# 0.49.2, and its control.
 NESTED = ["0.49.2 on", "0.49.2 BNB_GC_FIX=0"]
 
 _stories: dict[str, Story] = {}
@@ -309,7 +344,9 @@ def story(request: pytest.FixtureRequest, stories: dict[str, Story]) -> Story:
         extra = {"PYTHONPATH": str(request.getfixturevalue("bnb_050"))} if version == VERSION_050 else {}
         env = environment(switch, **extra)
         tmp = Path(request.getfixturevalue("tmp_path_factory").mktemp("kernel"))
-        stories[row] = _story(tmp, env, held=row == "0.49.2 on", nested=row in NESTED)
+        stories[row] = _story(
+            tmp, env, held=row == "0.49.2 on", nested=row in NESTED, calls_itself=row in NESTED
+        )
         assert stories[row].info["bitsandbytes"] == version
     return stories[row]
 
@@ -328,7 +365,7 @@ def _landed_in_forward(cell: Cell) -> None:
     assert any("forward" in frame for frame in cell.traceback), "the interrupt did not land inside forward"
 
 
-@pytest.mark.parametrize("story", GATED, indirect=True)
+@pytest.mark.parametrize("story", FIX_IN_THE_HOOKS, indirect=True)
 def test_interrupted_cell_is_released_at_cell_end(story: Story) -> None:
     _landed_in_forward(story.interrupted)
     assert story.info["cell_end_release"] is True
@@ -460,3 +497,27 @@ def test_a_captured_cell_interrupted_is_released_and_reported_past_the_capture(s
 @pytest.mark.parametrize("story", ["0.49.2 BNB_GC_FIX=0"], indirect=True)
 def test_control_a_captured_cell_interrupted_stays_on(story: Story) -> None:
     _left_on_and_silent(story.captured, story.after_captured)
+
+
+# Issue 55: a cell stopped inside a forward of a block that calls itself. Its inner calls nest in the outer
+# one (one switch-on), so a stop inside either leaves one switch-on of the fix's: the cell's end switches
+# it off and says so, and the block's next forward leaves nothing. The control: bitsandbytes' own pair
+# leaves one switch-on per call the stop cut short (2 inside the inner call, 1 inside the outer one).
+@pytest.mark.parametrize("where", ["inner", "outer"])
+@pytest.mark.parametrize("story", ["0.49.2 on"], indirect=True)
+def test_a_cell_stopped_inside_a_self_calling_forward_ends_at_0_with_nothing_cached(
+    story: Story, where: str
+) -> None:
+    cell, next_cell, after_forward = story.calls_itself[where]
+    _released_and_reported(cell, next_cell)
+    assert after_forward == [0, 0]
+
+
+@pytest.mark.parametrize("where", ["inner", "outer"])
+@pytest.mark.parametrize("story", ["0.49.2 BNB_GC_FIX=0"], indirect=True)
+def test_control_a_cell_stopped_inside_a_self_calling_forward_stays_on(story: Story, where: str) -> None:
+    cell, next_cell, after_forward = story.calls_itself[where]
+    left = {"inner": 2, "outer": 1}[where]
+    _landed_in_forward(cell)
+    assert next_cell == after_forward == [left, 16384]
+    assert cell.ours() == []

@@ -50,12 +50,12 @@ def test_nothing_of_bitsandbytes_is_changed(bnb_050: Path) -> None:
         "own = parametrize._enable_parametrization_cache.__code__\n"
         "import bitsandbytes, bnb_gc_fix, types\n"
         "s = bnb_gc_fix.activate()\n"
-        "print(json.dumps([bitsandbytes.__version__, s.state, s.libraries[0].affected,"
+        "print(json.dumps([bitsandbytes.__version__, s.state, s.libraries[0].hooks, s.fixed,"
         " type(parametrize._register_parametrization_hooks) is types.FunctionType,"
         " parametrize._enable_parametrization_cache.__code__ is own]))\n"
     )
     result = run_code(code, env=_env(bnb_050, "on"), fresh=FRESH)
-    assert result.last_json == [VERSION, "not affected", False, True, True]
+    assert result.last_json == [VERSION, "not affected", "do not leak this way", False, True, True]
     assert "LOG bnb_gc_fix" not in result.stdout
 
 
@@ -64,8 +64,9 @@ def test_status_json_on_upstream_fixed(bnb_050: Path) -> None:
     facts = json.loads(line)
     bnb = facts["libraries"][0]
     assert bnb["version"] == VERSION and bnb["state"] == facts["state"] == "not affected"
-    assert bnb["affected"] is False and bnb["fixed"] is False and facts["on"] is True
-    assert f"bitsandbytes {VERSION}'s hooks do not leak this way" in unwrapped(facts["reason"])  # a job here
+    assert bnb["hooks"] == "do not leak this way" and bnb["fixed"] is False and facts["fixed"] is False
+    assert facts["asked_by"] == "import bnb_gc_fix"  # asked for, and not needed: nothing went in
+    assert unwrapped(facts["reason"]).startswith(NOT_NEEDED)  # a job here
     assert unwrapped(facts["process"]["reason"]).startswith(NOT_NEEDED)  # the command's own process
     [(_, text, _)] = cli_calls(["status"], env=_env(bnb_050), fresh=FRESH)
     said = (
@@ -98,9 +99,9 @@ def test_force_patches_upstream_too_and_heals_keyboard_interrupt(bnb_050: Path) 
 def test_force_status_reason_says_why(bnb_050: Path) -> None:
     [(_, line, _)] = cli_calls(["status", "--json"], env=_env(bnb_050, "FORCE"), fresh=FRESH)
     facts = json.loads(line)
-    assert facts["on"] is True and facts["switch"] == "FORCE"
-    # A job here: not affected (the hooks do not leak), and the fix is in bitsandbytes' code all the same.
-    assert facts["state"] == "not affected" and facts["libraries"][0]["affected"] is False
+    assert facts["asked_by"] == "import bnb_gc_fix" and facts["switch"] == "FORCE"
+    # A job here: protected (force puts the fix into hooks that do not leak this way, and it covers them).
+    assert facts["libraries"][0]["hooks"] == "do not leak this way" and facts["state"] == "protected"
     assert facts["libraries"][0]["fixed"] is True  # force: the fix is in hooks that do not leak
     assert (
         "no module in this process has weights quantized with replace_parameter_4bit now"
@@ -134,9 +135,12 @@ def test_check_on_a_release_that_does_not_leak_says_nothing_was_needed(bnb_050: 
         [(code, out, err)] = cli_calls(["check", "--device", "cpu"], env=_env(bnb_050, switch), fresh=FRESH)
         assert code == 0, err
         said = unwrapped(out)
+        # Issue 54's finding 2: the same state in the same words, with the fix on or off; the fix line
+        # says which.
+        assert f"state: not affected: {NOT_NEEDED}: nothing to fix." in said
         if switch is None:
-            assert f"state: not affected: {NOT_NEEDED}" in said
+            assert f"fix: not needed here: the hooks of bitsandbytes {VERSION} do not leak this way" in said
         else:
-            assert "state: not affected: no module quantized here with replace_parameter_4bit leaks" in said
+            assert "fix: off (BNB_GC_FIX='0')" in said
         assert out.splitlines()[-1].startswith("not affected: ") and "nothing was needed" in said
         assert "protected" not in out

@@ -27,13 +27,18 @@ situation = sys.argv[1]
 import quantized
 if situation == "a late import":  # quantized before the package is imported (no start-up hook)
     model = quantized.make(params=2)
+if situation == "hooks it cannot read":  # the pre-hook in a partial (no start-up hook): the fix stays out
+    from functools import partial
+    from bitsandbytes.nn import parametrize
+    parametrize._enable_parametrization_cache = partial(parametrize._enable_parametrization_cache)
 import bnb_gc_fix
 from bnb_gc_fix.cli import main
 from bnb_gc_fix.notebook import Span  # what a notebook cell's end runs
 printed = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    if situation in ("protected", "switched off", "switched off at run time", "bitsandbytes 0.50"):
+    if situation in ("protected", "switched off", "switched off at run time", "bitsandbytes 0.50",
+                     "hooks it cannot read"):
         model = quantized.make(params=2)
     if situation == "switched off at run time":
         os.environ["BNB_GC_FIX"] = "0"
@@ -55,12 +60,13 @@ print(json.dumps(printed))
 """
 
 SITUATIONS: dict[str, dict[str, Any]] = {
-    # An unknown switch value too: its warning is printed as the start-up hook turns the fix on.
+    # An unknown switch value too: its warning is printed as the start-up hook asks for the fix.
     "nothing quantized": {"switch": "sometimes"},
     "protected": {},
     "switched off": {"switch": "0"},
     "switched off at run time": {},
     "a late import": {"prelude": "scenarios-without-startup-hook"},
+    "hooks it cannot read": {"prelude": "scenarios-without-startup-hook"},
     "bitsandbytes 0.50": {"release": "0.50.2"},
 }
 
@@ -110,3 +116,6 @@ def test_every_printed_line_is_short_and_in_the_readmes_words(situation: str) ->
         )
     if situation != "nothing quantized":
         assert "bnb_gc_fix: this cell left the cache switched on." in printed
+    if situation == "hooks it cannot read":  # one warning, and status says why, in the same words
+        assert printed.count("PatchSkippedWarning: bnb-gc-fix is not in bitsandbytes") == 1, printed
+        assert "bnb-gc-fix cannot read its hooks" in printed and "state: unprotected: " in printed

@@ -124,7 +124,14 @@ def main() -> None:
     fix = sys.modules.get("bnb_gc_fix")
     if fix is not None:
         summary["libraries"] = [
-            {"name": lib.name, "version": lib.version, "affected": lib.affected, "state": lib.state}
+            {
+                "name": lib.name,
+                "version": lib.version,
+                "hooks": lib.hooks,
+                "fixed": lib.fixed,
+                "state": lib.state,
+                "reason": lib.reason,
+            }
             for lib in getattr(fix.status(), "libraries", ())
         ]
     report.finish(summary)

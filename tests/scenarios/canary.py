@@ -102,7 +102,7 @@ def _hooks_run() -> Any:
 @fact("torch", "hooks_when_the_forward_raises")
 def _hooks_when_raising() -> Any:
     """Which forward hooks run when the forward raises: always-called ones for an Exception; for a
-    BaseException (KeyboardInterrupt) none (the fix gives that hold back at the next forward instead)."""
+    BaseException (KeyboardInterrupt) none (the fix switches that off at the module's next forward)."""
     out: dict[str, list[str]] = {}
     for raised in (RuntimeError, KeyboardInterrupt):
         ran: list[str] = []
@@ -289,17 +289,13 @@ def _bitsandbytes() -> None:
 
     @fact("bitsandbytes", "read")
     def _read() -> Any:
-        """What the package reads of the installed release: on a module ``replace_parameter_4bit``
-        quantized, its register function registered a pair that leaks (or, from the first fixed release
-        on, is always called), and that the fix can take the place of."""
+        """What the package reads of the installed release's register function's code: a pair that leaks
+        (or, from the first fixed release on, one whose off hook is always called), which the fix can take
+        the place of."""
         from bnb_gc_fix import reading
 
-        module = nn.Linear(64, 64)
-        before = reading.Hooks.of(module, target.module_name)
-        bnb.replace_parameter_4bit(module, "weight")
-        found = reading.read(target, module, before)
-        assert found is not None
-        return {"kind": found.kind.name, "replaceable": found.replaceable}
+        found = reading.read(target, bnb)
+        return {"hooks": found.hooks.value, "pair": found.pair is not None}
 
     @fact("bitsandbytes", "forward_caches_the_dequantized_weight")
     def _forward_caches() -> Any:

@@ -2,7 +2,7 @@
 
     python tests/scenarios/compiled.py --trigger interrupt|selfcall|threads|loop [--backend eager]
 
-Triggers (each the hostile case that once crashed the gate's self-healing inside Dynamo):
+Triggers (each the hostile case that once crashed the fix's hooks' self-healing inside Dynamo):
 
 * ``interrupt``: a compiled model whose quantized module raises ``KeyboardInterrupt`` in one step;
   the training loop catches it and goes on;
@@ -14,8 +14,10 @@ Triggers (each the hostile case that once crashed the gate's self-healing inside
   inside the quantized module;
 * ``loop``: an ordinary compiled training loop (no interrupt), counting the graphs compiled.
 
-The summary holds the counter after each step, the outputs (to compare fix and control) and the
-number of graphs Dynamo compiled (a counting backend around the chosen one).
+The summary holds the counter after each step, the tickets of the fix's switch-ons left on the thread
+after each step (``bnb_gc_fix.ledger``: ``COMPILED`` for one made inside a trace), the outputs (to compare
+fix and control), the number of graphs Dynamo compiled (a counting backend around the chosen one) and of
+its graph breaks.
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def counting(backend: str, counts: list[int]) -> Any:
     return compiler
 
 
+def left() -> list[int]:
+    """The tickets of the fix's switch-ons left on this thread (none without the fix)."""
+    fix = sys.modules.get("bnb_gc_fix.ledger")
+    return [] if fix is None else sorted(fix.local.switch_ons.values())
+
+
+def graph_breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 def run(trigger: str, backend: str, steps: int) -> dict[str, Any]:
     """One trigger on a fresh model; returns its summary."""
     torch.manual_seed(0)
@@ -98,6 +112,7 @@ def run(trigger: str, backend: str, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
     x = torch.randn(4, width)
     counters: list[int] = []
+    tickets: list[list[int]] = []
     outputs: list[float] = []
     errors: list[str] = []
     interrupted = 0
@@ -134,10 +149,13 @@ def run(trigger: str, backend: str, steps: int) -> dict[str, Any]:
             finally:
                 model.blocks[1].interrupt = None
         counters.append(int(P._cache_enabled))
+        tickets.append(left())
     summary: dict[str, Any] = {
         "trigger": trigger,
         "backend": backend,
         "counters": counters,
+        "left": tickets,
+        "graph_breaks": graph_breaks(),
         "outputs": outputs,
         "graphs": counts[0],
         "interrupted": interrupted,
@@ -166,6 +184,7 @@ def main() -> None:
         P._cache_enabled = 0
         P._cache = {}
         torch._dynamo.reset()  # and compiles afresh, so graph counts are per trigger
+        torch._dynamo.utils.counters.clear()
 
 
 if __name__ == "__main__":

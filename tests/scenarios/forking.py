@@ -2,9 +2,10 @@
 
     python tests/scenarios/forking.py
 
-A serving thread runs a 4-bit module that calls itself. While its inner call runs, the thread stops
-at every function of bnb-gc-fix it enters (holding whatever that code holds at that instant: locks,
-references) and once inside the inner forward's own body; at each stop the main thread forks a child.
+A serving thread runs a 4-bit module that calls itself. While its inner call runs (nested in the outer
+one: the module keeps its one switch-on), the thread stops at every function of bnb-gc-fix it enters
+(holding whatever that code holds at that instant: locks, references, an entry nested or not yet given
+back) and once inside the inner forward's own body; at each stop the main thread forks a child.
 Each child reports the counter it starts with, then runs a plain forward and a self-calling forward
 of the same module, and reports the counter again; the parent waits at most 10 s for it. One JSON
 line: ``{"children": [{"stop": ..., "at_fork": n, "after": n} or {"stop": ..., "hung": true}]}``.

@@ -27,10 +27,11 @@ def emit(record: dict[str, Any]) -> None:
 
 
 def finish(summary: dict[str, Any]) -> None:
-    """Print the summary line, with bnb_gc_fix's status if something imported the package."""
+    """Print the summary line, with bnb_gc_fix's status if something imported the package: its state and
+    reason, who asked for the fix (``asked_by``), and whether it went into a library's hooks (``fixed``)."""
     fix = sys.modules.get("bnb_gc_fix")
     summary["bnb_gc_fix_imported"] = fix is not None
     if fix is not None:
         status = fix.status()
-        summary.update(state=status.state, reason=status.reason, asked_by=status.asked_by)
+        summary.update(state=status.state, reason=status.reason, asked_by=status.asked_by, fixed=status.fixed)
     emit({"summary": summary})

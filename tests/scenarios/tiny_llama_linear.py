@@ -10,8 +10,9 @@ steps under transformers' own gradient checkpointing:
 
 ``default`` calls ``gradient_checkpointing_enable()`` without kwargs, i.e. whatever the installed
 transformers defaults to (4.57: ``use_reentrant=True``). It imports ``bnb_gc_fix`` only with
-``--import-fix``; with the start-up hook installed the fix activates anyway when bitsandbytes is
-imported. One JSON line per step (``counter``, ``cache_bytes``), then ``{"summary": ...}``.
+``--import-fix``; with the start-up hook installed the fix goes into bitsandbytes' hooks anyway when
+``bitsandbytes.nn.parametrize`` is imported. One JSON line per step (``counter``, ``cache_bytes``), then
+``{"summary": ...}``.
 """
 
 from __future__ import annotations

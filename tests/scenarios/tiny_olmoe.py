@@ -3,10 +3,10 @@
 Run as a script in a fresh interpreter by the tests (and usable by hand):
 
     python tests/scenarios/tiny_olmoe.py --steps 5 [--no-checkpointing] [--import-fix]
-        [--weight-norm] [--guard] [--strict] [--layers 3]
+        [--weight-norm] [--layers 3]
 
-It imports ``bnb_gc_fix`` only with ``--import-fix`` (or ``--guard``), so the start-up hook and
-the fix's other ways in can be tested with an unchanged script. The last line is a JSON summary.
+It imports ``bnb_gc_fix`` only with ``--import-fix``, so the start-up hook and the fix's other ways in
+can be tested with an unchanged script. The last line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.import_fix:
-        import bnb_gc_fix  # noqa: F401 (importing it turns the fix on)
+        import bnb_gc_fix  # noqa: F401 (importing it asks for the fix)
 
     import torch
 

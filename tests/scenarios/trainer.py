@@ -1,6 +1,7 @@
 """A real ``transformers.Trainer`` run (CPU, gradient checkpointing, 4 steps) on the tiny OLMoE with
 quantized experts, as a user's script runs it: the package is never imported by it. Prints one JSON
-object: the counter at every step's end, and the state."""
+object: the counter at every step's end, the state, and whether the fix went into bitsandbytes' hooks
+(None for both where the package was never imported)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ def main() -> None:
         )
         Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=[recorder]).train()
     fix = sys.modules.get("bnb_gc_fix")
-    state = None if fix is None else fix.status().state
-    print(json.dumps({"counters": recorder.counters, "state": state}))
+    status = None if fix is None else fix.status()
+    state, fixed = (None, None) if status is None else (status.state, status.fixed)
+    print(json.dumps({"counters": recorder.counters, "state": state, "fixed": fixed}))
 
 
 if __name__ == "__main__":

@@ -162,46 +162,6 @@ def test_a_module_collected_at_exit_prints_nothing(switch: str | None) -> None:
     assert "Exception ignored" not in result.stderr, result.stderr  # was: a TypeError from the fix's code
 
 
-# A module that calls itself; its first inner call is stopped by a KeyboardInterrupt, which it catches.
-SELF_CALLS = """
-import torch
-import quantized
-import bnb_gc_fix
-
-class CallsItself(quantized.Quantized):
-    def forward(self, x, depth=0):
-        out = super().forward(x)
-        if depth == 0:
-            try:
-                self(x, 1)
-            except KeyboardInterrupt:
-                pass
-            seen.append(quantized.counter())
-            out = out + self(x, 2)
-            seen.append(quantized.counter())
-        elif depth == 1:
-            raise KeyboardInterrupt
-        return out
-
-seen = []
-torch.manual_seed(0)
-module = quantized.quantize(CallsItself(params=1))
-output = module(torch.randn(2, 64))
-seen.append(quantized.counter())
-print(json.dumps(seen))
-"""
-
-
-def test_a_module_calling_itself_never_leaks_and_never_goes_below_zero() -> None:
-    # Each inner call gives the outer call's hold back: the outer call reads its weight again (more
-    # dequantization, never a leak), and the hold the KeyboardInterrupt left goes at the next inner call.
-    assert run_code(SELF_CALLS, prelude="scenarios").last_json == [1, 0, 0]
-
-
-def test_a_module_calling_itself_control_leaks() -> None:
-    assert run_code(SELF_CALLS, prelude="scenarios", switch="0").last_json == [2, 2, 1]
-
-
 # --- exact pairing -------------------------------------------------------------------------------
 
 EARLIER_PRE_HOOK = """
@@ -342,21 +302,26 @@ def test_threads_control_leaks_on_raising_forwards() -> None:
 # --- the hooks' code runs with the library's globals ------------------------------------------------
 
 
-def _globals_loaded(function: Any) -> set[str]:
-    """The names the function's code loads from its module's globals (builtins are every module's)."""
-    import builtins
+def _names_looked_up(code: Any) -> set[str]:
+    """The names the code (and the code it holds) looks up in its module's globals, then in the builtins:
+    every name it does not bind itself, ``id`` and ``next`` included."""
     import dis
 
     loads = ("LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL")
-    names = {i.argval for i in dis.get_instructions(function) if i.opname in loads}
-    return {name for name in names if not hasattr(builtins, name)}
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in loads}
+    for held in code.co_consts:
+        if hasattr(held, "co_code"):
+            names |= _names_looked_up(held)
+    return names
 
 
-def test_the_hooks_code_loads_no_global() -> None:
+def test_the_hooks_code_loads_no_global_not_even_a_builtin() -> None:
     """The two functions' code runs as the library's hook functions, whose globals are the library's
-    module: a name loaded from the globals would be the library's, or missing."""
+    module: a name looked up there would be the library's, or missing, and a builtin the library's module
+    shadows (or its ``__builtins__``) would be another function."""
     from bnb_gc_fix import hooks, ledger
 
-    assert _globals_loaded(hooks.pre_hook_code) == set()
-    assert _globals_loaded(hooks.off_hook_code) == set()
-    assert _globals_loaded(ledger.switch_off_since) == {"local", "cache", "_keep_until"}  # control
+    assert _names_looked_up(hooks.pre_hook.__code__) == set()
+    assert _names_looked_up(hooks.off_hook.__code__) == set()
+    # The control: a function of the package that looks up a global and two builtins.
+    assert _names_looked_up(ledger.switch_off_since.__code__) == {"local", "list", "len"}
