@@ -49,7 +49,7 @@ def nested_or_switched_off(module: Any) -> bool:
     call of itself then unpacks its weights again)."""
     key = id(module)
     switch_ons = ledger.local.switch_ons
-    nested = not _compiling() and ledger.calls_running(module, most=2) == 2  # a trace reads no frame
+    nested = not _compiling() and ledger.outer_call_running(module)  # a trace reads no frame
     if nested:
         switch_ons.nest(key)
         return True

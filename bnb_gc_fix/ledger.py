@@ -114,18 +114,34 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
     os.register_at_fork(after_in_child=_in_a_forked_child)
 
 
-def calls_running(module: Any, most: int) -> int:
-    """How many calls of ``module`` run on this thread now, counted up to ``most``, from its frames: those
-    of torch's ``Module._call_impl`` whose ``self`` is the module (a read of the thread's stack)."""
+def _module_call_code() -> Any:
+    """The code of torch's ``Module._call_impl``: its frames are modules' calls (None: no torch.nn)."""
     module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
-    call = getattr(getattr(module_type, "_call_impl", None), "__code__", None)
-    calls = 0
-    frame: FrameType | None = sys._getframe(1)
-    while frame is not None and calls < most:
+    return getattr(getattr(module_type, "_call_impl", None), "__code__", None)
+
+
+def _a_call_from(frame: FrameType | None, module: Any, call: Any) -> bool:
+    """Whether a frame from ``frame`` outwards is a call of ``module``: ``call``'s, with ``module`` its self."""
+    while frame is not None:
         if frame.f_code is call and frame.f_locals.get("self") is module:
-            calls += 1
+            return True
         frame = frame.f_back
-    return calls
+    return False
+
+
+def call_running(module: Any) -> bool:
+    """Whether a call of ``module`` runs on this thread now (a read of the thread's stack)."""
+    return _a_call_from(sys._getframe(1), module, _module_call_code())
+
+
+def outer_call_running(module: Any) -> bool:
+    """Whether a call of ``module`` runs on this thread further out than the innermost module call, the
+    one whose hook asks (its self is not read): the module calls itself. A read of the thread's stack."""
+    call = _module_call_code()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not call:  # up to the call whose hook asks
+        frame = frame.f_back
+    return frame is not None and _a_call_from(frame.f_back, module, call)
 
 
 def module_collected(key: int) -> None:
@@ -152,7 +168,7 @@ def left_here(module_of: Callable[[int], Any]) -> int:
     """How many of this thread's switch-ons belong to no call running on it: a ``BaseException`` that is
     not an ``Exception`` left them (``module_of``: the covered module of an ``id``)."""
     keys = list(local.switch_ons)
-    return sum(calls_running(module_of(key), most=1) == 0 for key in keys)
+    return sum(not call_running(module_of(key)) for key in keys)
 
 
 def forget_every_thread() -> None:

@@ -346,7 +346,8 @@ ONE_VERDICT = """
 import contextlib, io
 import bnb_gc_fix, quantized
 from bnb_gc_fix.cli import main
-quantized.checkpointed_counters(quantized.make(params=1), steps=1)
+model = quantized.make(params=1)  # alive while both answer: status() counts it
+quantized.checkpointed_counters(model, steps=1)
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     main(["status"])

@@ -29,7 +29,7 @@ def test_a_forked_child_never_blocks_and_keeps_only_its_own_threads_switch_ons()
     # inside the inner forward: a child forked at each stop.
     assert len(children) > 2 and {"stop": "inside the inner forward", "at_fork": 0, "after": 0} in children
     # ...the functions that nest the inner call in the outer one and give its entry back among them.
-    assert {"calls_running", "nest", "unnest"} <= {child["stop"] for child in children}
+    assert {"outer_call_running", "nest", "unnest"} <= {child["stop"] for child in children}
     for child in children:
         assert child == {"stop": child["stop"], "at_fork": 0, "after": 0}  # never hung, never inherited
     # The control's child inherits the serving thread's two switch-ons (outer and inner call) for good.
