@@ -65,11 +65,15 @@ def _imported_versions() -> dict[str, str | None]:
 
 
 def _same(imported: str, installed: str) -> bool:
-    """Whether two version strings name one version (``1.0-rc1`` is ``1.0rc1``)."""
+    """Whether two version strings name one version: ``1.0-rc1`` is ``1.0rc1``, and ``2.15.0+cu132`` is the
+    ``2.15.0`` of its metadata (PyPI's CUDA builds of torch carry their local label in ``__version__``
+    alone)."""
     try:
-        return Version(imported) == Version(installed)
+        first, second = Version(imported), Version(installed)
     except InvalidVersion:
         return imported == installed
+    one_unlabelled = not (first.local and second.local)
+    return first == second or (first.public == second.public and one_unlabelled)
 
 
 def _versions_line() -> str:

@@ -121,7 +121,7 @@ def _module_call_code() -> Any:
 
 
 def _a_call_from(frame: FrameType | None, module: Any, call: Any) -> bool:
-    """Whether a frame from ``frame`` outwards is a call of ``module``: ``call``'s, with ``module`` its self."""
+    """Whether a frame from ``frame`` outwards is a call of ``module``: of ``call``, its self ``module``."""
     while frame is not None:
         if frame.f_code is call and frame.f_locals.get("self") is module:
             return True
