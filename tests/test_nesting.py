@@ -234,3 +234,50 @@ def test_a_second_pre_hook_of_the_same_call_ends_every_step_at_zero() -> None:
     assert control["forwards"] == [0, 0, 0] and control["state"] is None
     if AFFECTED:
         assert control["steps"] == [2, 4, 6]  # each recompute's two plain pairs
+
+
+# A known limit (docs/how-it-works.md): a pre-hook in front of bitsandbytes' refuses (raises) an inner
+# call of a module calling itself, and the outer forward catches it. torch calls the refused call's off
+# hook (always called), which takes the outer call's switch-on for its own: the cache is off for the rest
+# of the outer forward, which unpacks its weight again. More computation, never a leak: both runs end at 0
+# with nothing cached. One JSON line: the counter after the refused call, the unpacks, the counter after.
+REFUSED_INNER_CALL = """
+import torch
+import torch.nn.utils.parametrize as P
+import bitsandbytes.functional as F
+import quantized
+unpacks = []
+unpack = F.dequantize_4bit
+F.dequantize_4bit = lambda *args, **kwargs: unpacks.append(1) or unpack(*args, **kwargs)
+inside = []
+
+class CallsItself(quantized.Quantized):
+    def forward(self, x, level=0):
+        out = super().forward(x)
+        if level == 0:
+            try:
+                self(x, 1)
+            except ValueError:
+                pass
+            inside.append(int(P._cache_enabled))
+            out = out + super().forward(x)  # the weight again
+        return out
+
+def refuse_inner_calls(module, args):
+    if len(args) > 1:
+        raise ValueError("refused")
+
+module = quantized.quantize(CallsItself())
+module.register_forward_pre_hook(refuse_inner_calls, prepend=True)
+with torch.no_grad():
+    module(torch.randn(2, 64))
+print(json.dumps({"inside": inside, "unpacks": len(unpacks), "counter": int(P._cache_enabled),
+                  "cached": len(P._cache)}))
+"""
+
+
+def test_a_refused_inner_call_of_a_self_call_unpacks_again_and_leaves_nothing() -> None:
+    fixed = run_code(REFUSED_INNER_CALL, prelude="scenarios", switch=FIX).last_json
+    control = run_code(REFUSED_INNER_CALL, prelude="scenarios", switch="0").last_json
+    assert control == {"inside": [1], "unpacks": 1, "counter": 0, "cached": 0}
+    assert fixed == {"inside": [0], "unpacks": 2, "counter": 0, "cached": 0}  # the known limit
