@@ -184,10 +184,16 @@ def _leaking_through(status: Status, library: LibraryStatus) -> str:
 
 # --- the facts ------------------------------------------------------------------------------------------
 def _why_not_in(library: Library, decision: activation.Decision, decided: bool) -> str:
-    """Why the fix is not in the library's hooks now, and what puts it in."""
+    """Why the fix is not in the library's hooks now, and what puts it in; where it is in them, why modules
+    quantized with it run without it."""
     fix = activation.fix
     if fix.asked_by is None:
         return f"the fix is off ({startup.VARIABLE}={fix.switch!r}; unset it to turn the fix on)"
+    if decided and decision.fixed:  # its modules run without it only where it cannot cover them
+        return (
+            f"the fix is in {possessive(library.name)} hooks, but another function stands in the place of "
+            "their pre-hook (another tool's), so the fix cannot cover them"
+        )
     if decision.module is None:
         return (
             f"{library.module_name} was imported where bnb-gc-fix could not see it (an import hook in front "
