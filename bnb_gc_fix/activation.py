@@ -48,7 +48,7 @@ class Fix:
     """The fix in this process, as the activations so far left it. Asking for the fix and the fix going
     into a library's hooks are two facts: ``asked_by`` holds the first, each decision the second."""
 
-    switch: str | None = None  # BNB_GC_FIX as the activation that asked for the fix (or the last) read it
+    switch: str | None = None  # BNB_GC_FIX as the last activation read it (a late off switch aside)
     mode: str = startup.AUTO
     asked_by: str | None = None  # who asked for the fix first (None: nobody, or BNB_GC_FIX switched it off)
     decisions: dict[str, Decision] = field(

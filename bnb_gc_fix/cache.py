@@ -29,8 +29,8 @@ def cached_bytes() -> int:
 
 
 def switch_off(torch_parametrize: Any, count: int) -> None:
-    """Take ``count`` switch-ons off the counter of torch's parametrize module (given by the caller: the
-    hooks bind it), never below 0; the cache is emptied at 0. With nothing to take off, the counter is
+    """Take ``count`` switch-ons off the counter of torch's parametrize module (given by the caller, which
+    has it already), never below 0; the cache is emptied at 0. With nothing to take off, the counter is
     neither read nor written."""
     if count <= 0:
         return

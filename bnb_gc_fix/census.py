@@ -43,8 +43,13 @@ def noted(module_name: str) -> list[Any]:
     return list(_noted.get(module_name, {}).values())
 
 
+def module_class() -> Any:
+    """``torch.nn.Module``, where torch is imported (None: not yet); nothing is imported."""
+    return getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
+
+
 def _every_module() -> list[Any]:
-    module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
+    module_type = module_class()
     if module_type is None:
         return []
     return [each for each in gc.get_objects() if issubclass(type(each), module_type)]  # no __class__ read

@@ -157,7 +157,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def _print_check(result: Any, current: Status) -> None:
     bitsandbytes = current.library(BITSANDBYTES.name).version
-    torch = getattr(sys.modules.get("torch"), "__version__", None)
+    torch = version_of("torch")
     versions = f"bitsandbytes {bitsandbytes}, torch {torch}"
     print(f"bnb-gc-fix check: a small model of its own, device {result.device} ({versions})")
     print(result.status_line)  # as `bnb-gc-fix status` and status() say it, while the check's model was alive

@@ -18,7 +18,7 @@ from typing import Any
 from bnb_gc_fix import ledger, lock
 
 #: Every pair of hook functions the fix gave its code, as (pre-hook, off hook), with its library's name:
-#: the one record of what was patched (``patch.apply`` adds to it; a library module imported again adds
+#: the one record of what was patched (``patch.put_in`` adds to it; a library module imported again adds
 #: its new pair).
 FIXED_PAIRS: dict[tuple[FunctionType, FunctionType], str] = {}
 

@@ -62,11 +62,13 @@ def without_a_switch_on(module: Any) -> None:
     """An off hook's call with no switch-on of this call's on this thread. A call nested in another of the
     module ends: the outer call's switch-on stays on for it. A module the fix does not cover runs the
     library's own arithmetic (its pre-hooks added 1: a module the fix cannot cover, a forward begun before
-    the fix went in, or the function called directly), unless an off hook of it is marked always called
-    (a deep copy of a covered module). A covered module: nothing, since what is on is not this call's (an
-    earlier pre-hook raised, or it was switched off early)."""
+    the fix went in, or the function called directly); of those not found uncoverable, not where an off
+    hook of it is marked always called (a deep copy of a covered module, not covered yet). A covered
+    module: nothing, since what is on is not this call's (an earlier pre-hook raised, or it was switched
+    off early)."""
     key = id(module)
-    if ledger.local.switch_ons.unnest(key) or key in cover.covered_ids():
+    nested_call_ended = ledger.local.switch_ons.unnest(key)
+    if nested_call_ended or key in cover.covered_ids():
         return
     if not cover.is_uncoverable(module) and not cover.off_hooks_all_plain(module):
         return

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from bnb_gc_fix import cache
+from bnb_gc_fix import cache, census
 
 #: Each switch-on's ticket: a later one has a larger one (a notebook cell switches off those after its own).
 tickets = itertools.count(1)
@@ -36,6 +36,7 @@ tickets = itertools.count(1)
 #: never later than a cell's, so no cell's end switches it off; the module's next forward does.
 COMPILED = -1
 #: A module's entry while a call of it inside its own forward runs: the switch-on is the outer call's.
+#: The only entry that is false: the off hook's one test, ``if not switch_ons.get(key)``, finds it so.
 NESTED = 0
 
 
@@ -116,8 +117,7 @@ if hasattr(os, "register_at_fork"):  # not on Windows, which never forks
 
 def _module_call_code() -> Any:
     """The code of torch's ``Module._call_impl``: its frames are modules' calls (None: no torch.nn)."""
-    module_type = getattr(getattr(sys.modules.get("torch"), "nn", None), "Module", None)
-    return getattr(getattr(module_type, "_call_impl", None), "__code__", None)
+    return getattr(getattr(census.module_class(), "_call_impl", None), "__code__", None)
 
 
 def _a_call_from(frame: FrameType | None, module: Any, call: Any) -> bool:

@@ -6,9 +6,11 @@ or not. Each function is then recognised by its code: the same bytecode, constan
 parametrize module under whatever name) as a known hook of the pair, compiled here from its source, so a
 function's line numbers, annotations and comments do not matter. No function of the library is called.
 
-A register function whose code calls neither registering method registers nothing. Where the code does
-not say plainly what it registers (a registration through a helper, a hook wrapped in
-``functools.partial``, other arguments, a function of another shape), the library's hooks cannot be read.
+A register function whose code calls neither registering method registers nothing. A helper it calls is
+read the same way, never run: one of the same module that registers, or one of another module whose code
+names a registering method. Where the code does not say plainly what it registers (a hook passed to a
+helper or held in a closure, a hook wrapped in ``functools.partial``, other arguments, a function of
+another shape), the library's hooks cannot be read.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Status:
 
     libraries: tuple[LibraryStatus, ...]  # bitsandbytes first
     asked_by: str | None  # who asked for the fix: "the start-up hook", "import bnb_gc_fix", "activate()"
-    switch: str | None  # BNB_GC_FIX as the activation that asked for the fix read it (None: unset)
+    switch: str | None  # BNB_GC_FIX as the last activation read it (None: unset)
     start_up_hook_ran: bool  # whether the start-up hook ran in this process
     counter: int | None  # torch's parametrization-cache counter (None: torch's parametrize not imported)
     cache_bytes: int | None  # what the cache holds

@@ -59,7 +59,7 @@ class LibraryStatus:
     reason: str  # why, and what to do, in a sentence
     covered: int  # the modules quantized with it that the fix covers
     at_next_forward: int  # those quantized with it before the fix went in: it covers each at its next forward
-    leaking: int  # the modules quantized with it that run its hooks without the fix
+    leaking: int  # the modules quantized with it that run its hooks without the fix, or that it cannot cover
 
 
 def judged(facts: Facts) -> LibraryStatus:
